@@ -1,1 +1,6 @@
-"""engine/kv_cache room."""
+"""Paged KV-cache bookkeeping: block pool, prefix cache with namespaces, per-request block tables. No torch."""
+
+from edgeinfer.engine.kv_cache.block_pool import BlockPool
+from edgeinfer.engine.kv_cache.manager import KVCacheManager
+
+__all__ = ["BlockPool", "KVCacheManager"]

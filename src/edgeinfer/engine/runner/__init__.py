@@ -1,1 +1,1 @@
-"""engine/runner room."""
+"""Turns a scheduler decision into tensors, runs the model, samples."""

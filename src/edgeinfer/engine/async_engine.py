@@ -1,0 +1,142 @@
+"""AsyncLLMEngine: the engine's step loop in a background thread, streams for asyncio callers.
+
+The loop never waits on a client: outputs go into per-request asyncio queues with `put_nowait`, so a
+slow reader only lets its own queue grow (bounded by its max_tokens) while everyone else proceeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from edgeinfer.engine.config import EngineConfig
+from edgeinfer.engine.engine import EngineStats, LLMEngine
+from edgeinfer.types import EngineRequest, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.config.model
+        self.max_model_len = engine.layout.max_model_len
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # held while the loop touches the engine
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="edgeinfer-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream deltas until the request finishes; leaving early aborts it and frees its blocks."""
+        self.engine.validate(request)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request.request_id] = stream
+        self._inbox.put(("add", request))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self.engine.stats()
+
+    def memory_bytes(self) -> int:
+        return self.engine.memory_bytes()
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self.engine.check_integrity()
+
+    async def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+
+    # ---- the loop (engine thread) ----------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped:
+            with self._lock:
+                self._drain_inbox()
+                wake = self.engine.next_wakeup()
+                now = self.engine.clock()
+                if wake is not None and wake <= now:
+                    self._step()
+                    continue
+            timeout = None if wake is None else max(0.0, wake - now)
+            self._wake.wait(timeout)
+            self._wake.clear()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(payload)
+            else:
+                out = self.engine.abort(payload)
+                if out is not None:
+                    self._deliver(out)
+
+    def _add(self, request: EngineRequest) -> None:
+        if request.request_id not in self._streams:
+            return  # the caller left before the loop saw the request
+        try:
+            self.engine.add_request(request)
+        except Exception as e:  # noqa: BLE001 - delivered to the caller, who re-raises it
+            self._deliver_error(request.request_id, e)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a bug in a step must not kill the loop silently for everyone
+            log.exception("engine step failed; failing the running requests")
+            for rid in list(self.engine.scheduler.requests):
+                self.engine.abort(rid)
+                self._deliver_error(rid, e)
+            return
+        for out in outputs:
+            self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)

@@ -1,0 +1,93 @@
+"""Paged attention with torch SDPA: works on CPU and CUDA, no custom kernels.
+
+Decodes (one query token per sequence) are attended in one padded batch; prefill chunks one sequence
+at a time, directly on the new K/V when the chunk is the whole context (no cache gather).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from edgeinfer.engine.attention.backend import AttentionBackend, register_backend
+from edgeinfer.engine.attention.metadata import AttentionMetadata
+
+
+def _mask(q_pos: torch.Tensor, ctx_len: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """Bool mask [..., q, length]: key j visible to query at q_pos iff j <= q_pos, j < ctx_len and
+    (with a window) q_pos - j < window."""
+    k_pos = torch.arange(length, device=q_pos.device)
+    visible = (k_pos <= q_pos.unsqueeze(-1)) & (k_pos < ctx_len.unsqueeze(-1).unsqueeze(-1))
+    if window is not None:
+        visible &= q_pos.unsqueeze(-1) - k_pos < window
+    return visible
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [B, Hq, L, D], k/v [B, Hkv, S, D] → [B, Hq, L, Dv]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+
+
+@register_backend("torch")
+class TorchPagedBackend(AttentionBackend):
+    def attend(self, layer, q, k, v, scale, window=None, softcap=None):
+        meta = self.meta
+        assert meta is not None, "begin() must be called before attend()"
+        self.storage.write(layer, meta.slot_mapping, k, v)
+        out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(layer, q[:nd], meta, scale, window, softcap)
+        for i in range(nd, meta.num_seqs):
+            s, n = meta.query_starts[i], meta.query_lens[i]
+            out[s : s + n] = self._prefill(layer, i, q[s : s + n], k[s : s + n], v[s : s + n], meta, scale,
+                                           window, softcap)
+        return out
+
+    def _decode(self, layer, q, meta: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
+        nd = meta.num_decodes
+        key = ("decode", window)
+        if key not in meta.cache:
+            ctx = torch.tensor(meta.context_lens[:nd], device=q.device)
+            n_blocks = -(-max(meta.context_lens[:nd]) // meta.block_size)
+            mask = _mask((ctx - 1).view(nd, 1), ctx, n_blocks * meta.block_size, window)
+            meta.cache[key] = (meta.block_tables[:nd, :n_blocks], mask.unsqueeze(1))
+        blocks, mask = meta.cache[key]
+        kc, vc = self.storage.gather(layer, blocks)
+        out = _sdpa(q.unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2), mask, scale, softcap)
+        return out.squeeze(2)
+
+    def _prefill(self, layer, i, q, k, v, meta: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
+        n, ctx = meta.query_lens[i], meta.context_lens[i]
+        mask = None
+        if ctx != n:
+            n_blocks = -(-ctx // meta.block_size)
+            k, v = self.storage.gather(layer, meta.block_tables[i, :n_blocks])
+            k, v = k[:ctx], v[:ctx]
+        if ctx != n or (window is not None and window < ctx):
+            key = ("prefill", i, window)
+            if key not in meta.cache:
+                q_pos = torch.arange(ctx - n, ctx, device=q.device)
+                meta.cache[key] = _mask(q_pos, torch.tensor(ctx, device=q.device), ctx, window)
+            mask = meta.cache[key]
+        out = _sdpa(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                    v.transpose(0, 1).unsqueeze(0), mask, scale, softcap)
+        return out.squeeze(0).transpose(0, 1)

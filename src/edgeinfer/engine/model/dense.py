@@ -1,0 +1,130 @@
+"""Dense decoder-only transformers: Llama, Qwen3 and Gemma 3 share this code, differing in `DenseArgs`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgeinfer.engine.attention import AttentionBackend, KVSpec
+from edgeinfer.engine.model.layers.attention import AttentionShape, SelfAttention
+from edgeinfer.engine.model.layers.mlp import GatedMLP
+from edgeinfer.engine.model.layers.norm import RMSNorm
+from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
+from edgeinfer.engine.model.weights import Shard, load_weights
+
+
+@dataclass(frozen=True)
+class DenseArgs:
+    vocab_size: int
+    hidden: int
+    intermediate: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    act: str
+    max_pos: int
+    tie_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    rope: tuple[dict, ...]  # per layer
+    windows: tuple[int | None, ...]  # per layer; None = global attention
+    gemma_style: bool = False  # (1 + w) norms, sandwich norms, sqrt(hidden) embedding scale
+    attn_scale: float | None = None
+    final_softcap: float | None = None
+    attn_softcap: float | None = None
+    rope_interleaved: bool = False
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, idx: int, args: DenseArgs, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        g = args.gemma_style
+        shape = AttentionShape(
+            hidden=args.hidden, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim, bias=args.attention_bias, qk_norm=args.qk_norm, qk_norm_eps=args.rms_eps,
+            qk_norm_unit_offset=g, scale=args.attn_scale, window=args.windows[idx], softcap=args.attn_softcap,
+        )
+        self.self_attn = SelfAttention(idx, shape, rope)
+        self.mlp = GatedMLP(args.hidden, args.intermediate, args.act, args.mlp_bias)
+        self.input_layernorm = RMSNorm(args.hidden, args.rms_eps, g)
+        self.post_attention_layernorm = RMSNorm(args.hidden, args.rms_eps, g)
+        self.sandwich = g
+        if g:
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden, args.rms_eps, g)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden, args.rms_eps, g)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), positions, backend)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DenseCausalLM(nn.Module):
+    """Flat-batch forward: `input_ids` [T] of all scheduled sequences concatenated; the backend knows
+    where each sequence starts and which cache blocks it owns."""
+
+    def __init__(self, args: DenseArgs) -> None:
+        super().__init__()
+        self.args = args
+        ropes = {}
+        for params in args.rope:
+            key = repr(sorted(params.items()))
+            if key not in ropes:
+                dim = int(args.head_dim * float(params.get("partial_rotary_factor", 1.0)))
+                ropes[key] = RotaryEmbedding(dim, params, args.max_pos, args.rope_interleaved)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(i, args, ropes[repr(sorted(p.items()))]) for i, p in enumerate(args.rope)
+        )
+        self.model.norm = RMSNorm(args.hidden, args.rms_eps, args.gemma_style)
+        if not args.tie_embeddings:
+            self.lm_head = nn.Linear(args.hidden, args.vocab_size, bias=False)
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        a = self.args
+        return KVSpec(a.num_layers, a.num_kv_heads, a.head_dim, a.num_kv_heads, a.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        emb = self.model.embed_tokens
+        x = emb(input_ids)
+        if self.args.gemma_style:
+            # Gemma scales embeddings by sqrt(hidden), rounded to the weight dtype as HF does.
+            x = x * torch.tensor(self.args.hidden**0.5, dtype=emb.weight.dtype)
+        for layer in self.model.layers:
+            x = layer(x, positions, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for the rows that need them (sampling positions)."""
+        if self.args.tie_embeddings:
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        if self.args.final_softcap:
+            logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
+        return logits
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        a = self.args
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        shards = [
+            Shard("qkv_proj", "q_proj", 0, q),
+            Shard("qkv_proj", "k_proj", q, kv),
+            Shard("qkv_proj", "v_proj", q + kv, kv),
+            Shard("gate_up_proj", "gate_proj", 0, a.intermediate),
+            Shard("gate_up_proj", "up_proj", a.intermediate, a.intermediate),
+        ]
+        ignore = ("rotary_emb.inv_freq",) + (("lm_head.",) if a.tie_embeddings else ())
+        load_weights(self, tensors, shards, ignore)

@@ -1,0 +1,103 @@
+"""Per-request output state: incremental text, stop strings, logprobs, timeline → `RequestOutput` deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edgeinfer.engine.detokenizer import IncrementalDetokenizer
+from edgeinfer.engine.scheduler import Request
+from edgeinfer.engine.tokenizer import Tokenizer
+from edgeinfer.types import RequestOutput, Timeline, TokenLogprob, Usage
+
+
+@dataclass
+class OutputState:
+    """What the engine remembers per request between steps, beside the scheduler's `Request`."""
+
+    request_id: str
+    detok: IncrementalDetokenizer
+    stop: list[str]
+    include_stop: bool
+    timeline: Timeline
+    num_prompt_tokens: int
+    text: str = ""  # all output text decoded so far (possibly ahead of what was emitted)
+    emitted: int = 0  # characters of `text` already sent
+    sent_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def holdback(self) -> int:
+        """Characters kept back while streaming: the longest stop string could be starting there."""
+        return max((len(s) for s in self.stop), default=1) - 1
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, OutputState] = {}
+
+    def add(self, req: Request, arrival: float) -> None:
+        s = req.sampling
+        self.states[req.request_id] = OutputState(
+            request_id=req.request_id,
+            detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+            stop=list(s.stop),
+            include_stop=s.include_stop_str_in_output,
+            timeline=Timeline(arrival=arrival),
+            num_prompt_tokens=req.num_prompt_tokens,
+            prompt_logprobs=[None] if s.prompt_logprobs is not None else None,
+        )
+
+    def add_prompt_logprobs(self, request_id: str, lps: list[TokenLogprob]) -> None:
+        st = self.states.get(request_id)
+        if st is not None and st.prompt_logprobs is not None:
+            st.prompt_logprobs.extend(lps)
+
+    def on_token(self, req: Request, logprob: TokenLogprob | None, now: float) -> bool:
+        """Decode the request's newest token; True if a stop string ended the text (already cut)."""
+        st = self.states[req.request_id]
+        if st.timeline.first_token is None:
+            st.timeline.first_token = now
+            st.timeline.first_scheduled = req.first_scheduled_time
+        if logprob is not None:
+            st.pending_logprobs.append(logprob)
+        before = len(st.text)
+        st.text += st.detok.add(req.output_token_ids[-1:])
+        if not st.stop:
+            return False
+        start = max(0, before - st.holdback)
+        hits = [(i, s) for s in st.stop if (i := st.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        st.text = st.text[: i + len(s)] if st.include_stop else st.text[:i]
+        return True
+
+    def make_output(self, req: Request, now: float, error: str | None = None) -> RequestOutput:
+        """The delta since the last output of this request; forgets the request once it finished."""
+        st = self.states[req.request_id]
+        finished = req.is_finished
+        end = len(st.text) if finished else max(st.emitted, len(st.text) - st.holdback)
+        delta, st.emitted = st.text[st.emitted : end], end
+        new_ids = req.output_token_ids[st.sent_tokens :]
+        st.sent_tokens = len(req.output_token_ids)
+        out = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            text_delta=delta,
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            usage=Usage(st.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens),
+            logprobs=st.pending_logprobs,
+            timeline=st.timeline,
+            error=error,
+        )
+        st.pending_logprobs = []
+        if st.prompt_logprobs is not None and not st.prompt_logprobs_sent and new_ids:
+            out.prompt_logprobs, st.prompt_logprobs_sent = st.prompt_logprobs, True
+        if finished:
+            st.timeline.finished = now
+            del self.states[req.request_id]
+        return out

@@ -1,0 +1,63 @@
+"""Runs one scheduled step: inputs → model → logits → tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from edgeinfer.engine.attention import KVCacheStorage, get_attention_backend
+from edgeinfer.engine.runner.inputs import StepInputs, build_inputs
+from edgeinfer.engine.runner.sampler import Sampler, top_logprobs
+from edgeinfer.engine.scheduler import SchedulerOutput
+from edgeinfer.types import TokenLogprob
+
+
+@dataclass
+class RunnerOutput:
+    tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, storage: KVCacheStorage, device: torch.device,
+                 backend: str = "torch") -> None:
+        self.model = model
+        self.storage = storage
+        self.device = device
+        self.backend = get_attention_backend(backend, storage)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.sampler.forget(sched.finished)
+        if sched.is_empty:
+            return RunnerOutput()
+        inp = build_inputs(sched.chunks, self.storage.block_size, self.device)
+        self.backend.begin(inp.attn)
+        hidden = self.model(inp.input_ids, inp.positions, self.backend)
+        out = RunnerOutput()
+        if inp.sample_rows:
+            logits = self.model.compute_logits(hidden[inp.sample_rows])
+            res = self.sampler.sample(logits, inp.sample_chunks)
+            out.tokens, out.logprobs, out.errors = res.tokens, res.logprobs, res.errors
+        if inp.prompt_logprob_rows:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, inp)
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> dict[str, list[TokenLogprob]]:
+        result = {}
+        for c in inp.chunks:
+            rows = inp.prompt_logprob_rows.get(c.request_id)
+            if rows is None:
+                continue
+            if not rows:
+                result[c.request_id] = []
+                continue
+            lp = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            targets = torch.tensor(c.prompt_token_ids[c.start + 1 : c.start + 1 + len(rows)], device=lp.device)
+            result[c.request_id] = top_logprobs(lp, targets, c.sampling.prompt_logprobs)
+        return result

@@ -1,0 +1,128 @@
+"""Turning fp32 logits into tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+Greedy rows take one batched argmax. Random rows sample by the exponential race
+(argmax of p / E with E ~ Exp(1)), which equals multinomial sampling and lets a seeded request draw
+its noise from its own generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from edgeinfer.engine.scheduler import ScheduledChunk
+from edgeinfer.types import TokenLogprob
+
+
+@dataclass
+class SampleResult:
+    tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[TokenLogprob]:
+    """Per row: the chosen token's logprob and the top-n alternatives."""
+    picked = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
+    ids = chosen.tolist()
+    if n == 0:
+        return [TokenLogprob(i, lp) for i, lp in zip(ids, picked, strict=True)]
+    vals, idx = logprobs.topk(n, dim=-1)
+    return [
+        TokenLogprob(i, lp, list(zip(ti, tv, strict=True)))
+        for i, lp, ti, tv in zip(ids, picked, idx.tolist(), vals.tolist(), strict=True)
+    ]
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._generators.pop(rid, None)
+
+    def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleResult:
+        result = SampleResult()
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        for ok, c in zip(finite, chunks, strict=True):
+            if not ok:
+                result.errors[c.request_id] = "the model produced NaN or Inf logits"
+        raw = logits
+        logits = self._apply_penalties(logits.clone(), chunks)
+        greedy = torch.tensor([c.sampling.greedy for c in chunks], device=logits.device)
+        chosen = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            rows = (~greedy).nonzero().squeeze(-1)
+            chosen[rows] = self._sample_random(logits[rows], [chunks[i] for i in rows.tolist()])
+        want = [i for i, c in enumerate(chunks) if c.sampling.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(raw[want], dim=-1)
+            n = max(chunks[i].sampling.logprobs for i in want)
+            for i, tlp in zip(want, top_logprobs(lp, chosen[want], n), strict=True):
+                tlp.top = tlp.top[: chunks[i].sampling.logprobs]
+                result.logprobs[chunks[i].request_id] = tlp
+        for c, tok in zip(chunks, chosen.tolist(), strict=True):
+            if c.request_id not in result.errors:
+                result.tokens[c.request_id] = tok
+        return result
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        for i, c in enumerate(chunks):
+            s = c.sampling
+            row = logits[i]
+            if len(c.output_token_ids) < s.min_tokens:
+                banned = [t for t in (*s.stop_token_ids, *c.eos_token_ids) if t < row.shape[0]]
+                row[banned] = float("-inf")
+            if s.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(c.prompt_token_ids) | set(c.output_token_ids)), device=row.device)
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty)
+            if (s.presence_penalty or s.frequency_penalty) and c.output_token_ids:
+                out = torch.tensor(c.output_token_ids, device=row.device)
+                counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
+                row -= counts * s.frequency_penalty + (counts > 0).to(row.dtype) * s.presence_penalty
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        temps = torch.tensor([c.sampling.temperature for c in chunks], device=logits.device).unsqueeze(-1)
+        logits = logits / temps
+        top_k = [c.sampling.top_k for c in chunks]
+        if any(k > 0 for k in top_k):
+            k_max = min(max(top_k), logits.shape[-1])
+            kth_vals = logits.topk(k_max, dim=-1).values
+            ks = torch.tensor([(k if k > 0 else k_max) - 1 for k in top_k], device=logits.device)
+            kth = kth_vals.gather(-1, ks.clamp(max=k_max - 1).unsqueeze(-1))
+            off = torch.tensor([k <= 0 for k in top_k], device=logits.device).unsqueeze(-1)
+            logits = logits.masked_fill((logits < kth) & ~off, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        top_p = torch.tensor([c.sampling.top_p for c in chunks], device=logits.device)
+        if bool((top_p < 1.0).any()):
+            probs = _top_p(probs, top_p)
+        min_p = torch.tensor([c.sampling.min_p for c in chunks], device=logits.device)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p.unsqueeze(-1) * probs.amax(-1, keepdim=True), 0.0)
+        noise = torch.empty_like(probs)
+        for i, c in enumerate(chunks):
+            noise[i].exponential_(generator=self._generator(c, probs.device))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator(self, chunk: ScheduledChunk, device: torch.device) -> torch.Generator | None:
+        seed = chunk.sampling.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(chunk.request_id)
+        if gen is None:
+            gen = torch.Generator(device=device).manual_seed(seed)
+            self._generators[chunk.request_id] = gen
+        return gen
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of tokens whose mass reaches top_p (always at least the top one)."""
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    sorted_p = sorted_p.masked_fill(mass_before >= top_p.unsqueeze(-1), 0.0)
+    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p)

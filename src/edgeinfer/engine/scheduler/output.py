@@ -1,0 +1,46 @@
+"""Plain data passed from the scheduler to the runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edgeinfer.types import SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute KV for `token_ids` at positions [start, start + len) of one request.
+
+    `sample`: this chunk reaches the request's last known token, so the runner samples a next token.
+    With `sampling.prompt_logprobs` set, the runner also scores the chunk's prompt rows: row p gives the
+    logprob of prompt token p + 1."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+    sample: bool
+    sampling: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_prompt_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # requests the runner may forget (generators, ...)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
