@@ -32,9 +32,12 @@ _ids = itertools.count()
 
 def req(prompt_len: int, max_tokens: int, priority: int = 0, arrival: float = 0.0) -> Request:
     return Request(
-        request_id=f"r{next(_ids)}", prompt_token_ids=[1 + i % 50 for i in range(prompt_len)],
-        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), eos_token_ids=frozenset({EOS}),
-        priority=priority, arrival_time=arrival,
+        request_id=f"r{next(_ids)}",
+        prompt_token_ids=[1 + i % 50 for i in range(prompt_len)],
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        eos_token_ids=frozenset({EOS}),
+        priority=priority,
+        arrival_time=arrival,
     )
 
 

@@ -26,8 +26,10 @@ def build_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - 3, special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=VOCAB_SIZE - 3,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
@@ -36,27 +38,50 @@ def build_tokenizer(path: Path) -> PreTrainedTokenizerFast:
 
 
 _BASE = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 
 FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
-                  rope_theta=10000.0),
-    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32, tie_word_embeddings=True,
-                  rope_theta=1000000.0),
-    "gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], head_dim=32,
-                   num_hidden_layers=3, sliding_window=8, layer_types=["sliding_attention", "sliding_attention",
-                   "full_attention"], query_pre_attn_scalar=24, rope_theta=1000000.0, rope_local_base_freq=10000.0,
-                   hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "llama": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False, rope_theta=10000.0
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        head_dim=32,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text",
+        architectures=["Gemma3ForCausalLM"],
+        head_dim=32,
+        num_hidden_layers=3,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
 }
 
 
 def make_tiny(family: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
     """Write a random tiny `family` checkpoint (fp32 safetensors + tokenizer) into `path`."""
     path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(path)
-    fields = {**_BASE, "vocab_size": VOCAB_SIZE, **FAMILIES[family], **overrides}
+    tokenizer = build_tokenizer(path)
+    fields = {**_BASE, "vocab_size": len(tokenizer), **FAMILIES[family], **overrides}
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)

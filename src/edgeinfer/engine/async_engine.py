@@ -116,7 +116,7 @@ class AsyncLLMEngine:
             return  # the caller left before the loop saw the request
         try:
             self.engine.add_request(request)
-        except Exception as e:  # noqa: BLE001 - delivered to the caller, who re-raises it
+        except Exception as e:
             self._deliver_error(request.request_id, e)
 
     def _step(self) -> None:

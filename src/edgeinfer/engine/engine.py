@@ -55,23 +55,36 @@ class LLMEngine:
         self.clock = clock
         self.device = torch.device(config.device)
         ckpt = open_checkpoint(config.model)
+        self.checkpoint = ckpt
         self.model_config = ckpt.config
         self.tokenizer = Tokenizer.from_checkpoint(ckpt)
         dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(ckpt, dtype, self.device)
         self.layout: EngineLayout = plan_layout(config, self.model, dtype)
-        storage = KVCacheStorage(self.model.kv_spec, self.layout.num_kv_blocks, config.block_size, dtype,
-                                 self.device)
+        storage = KVCacheStorage(
+            self.model.kv_spec, self.layout.num_kv_blocks, config.block_size, dtype, self.device
+        )
         kv = KVCacheManager(self.layout.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                    self.layout.max_model_len, config.batch_window_ms, config.scheduling_policy)
+        sched_cfg = SchedulerConfig(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.layout.max_model_len,
+            config.batch_window_ms,
+            config.scheduling_policy,
+        )
         self.scheduler = Scheduler(sched_cfg, kv, clock)
         self.runner = ModelRunner(self.model, storage, self.device)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        log.info("engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), context %d",
-                 config.model, dtype, self.layout.num_kv_blocks, config.block_size,
-                 self.layout.kv_bytes / 2**20, self.layout.max_model_len)
+        log.info(
+            "engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), context %d",
+            config.model,
+            dtype,
+            self.layout.num_kv_blocks,
+            config.block_size,
+            self.layout.kv_bytes / 2**20,
+            self.layout.max_model_len,
+        )
 
     # ---- requests --------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -88,8 +101,10 @@ class LLMEngine:
         if n == 0:
             raise EngineInputError("the prompt is empty")
         if n >= ctx:
-            raise EngineInputError(f"the prompt has {n} tokens; this model's context is {ctx} tokens "
-                                   "including at least one generated token")
+            raise EngineInputError(
+                f"the prompt has {n} tokens; this model's context is {ctx} tokens "
+                "including at least one generated token"
+            )
 
     def add_request(self, request: EngineRequest) -> str:
         self.validate(request)
@@ -137,8 +152,11 @@ class LLMEngine:
         return self.scheduler.next_admission_time()
 
     # ---- offline ---------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingParams | Sequence[SamplingParams],
-                 ) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[str | list[int]],
+        sampling: SamplingParams | Sequence[SamplingParams],
+    ) -> list[Completion]:
         """Run prompts to completion together (continuous batching), results in prompt order."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         order = []

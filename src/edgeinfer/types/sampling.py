@@ -42,16 +42,22 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError with a one-line message naming the bad field."""
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer >= 1")
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer >= 1"
+        )
         _check(0.0 <= self.temperature <= 10.0, "temperature must be in [0, 10]")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be an integer >= -1 (0 or -1: off)")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be an integer >= -1 (0 or -1: off)"
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
         _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
         _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
         _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens, "min_tokens must be an integer >= 0")
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be an integer >= 0"
+        )
         _check(self.min_tokens <= self.max_tokens, "min_tokens must not exceed max_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -60,7 +66,10 @@ class SamplingParams:
                 f"{name} must be an integer in [0, {MAX_LOGPROBS}]",
             )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be ints >= 0",
+        )
 
 
 def _check(ok: bool, message: str) -> None:

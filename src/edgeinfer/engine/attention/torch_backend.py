@@ -58,8 +58,9 @@ class TorchPagedBackend(AttentionBackend):
             out[:nd] = self._decode(layer, q[:nd], meta, scale, window, softcap)
         for i in range(nd, meta.num_seqs):
             s, n = meta.query_starts[i], meta.query_lens[i]
-            out[s : s + n] = self._prefill(layer, i, q[s : s + n], k[s : s + n], v[s : s + n], meta, scale,
-                                           window, softcap)
+            out[s : s + n] = self._prefill(
+                layer, i, q[s : s + n], k[s : s + n], v[s : s + n], meta, scale, window, softcap
+            )
         return out
 
     def _decode(self, layer, q, meta: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
@@ -88,6 +89,12 @@ class TorchPagedBackend(AttentionBackend):
                 q_pos = torch.arange(ctx - n, ctx, device=q.device)
                 meta.cache[key] = _mask(q_pos, torch.tensor(ctx, device=q.device), ctx, window)
             mask = meta.cache[key]
-        out = _sdpa(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                    v.transpose(0, 1).unsqueeze(0), mask, scale, softcap)
+        out = _sdpa(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            mask,
+            scale,
+            softcap,
+        )
         return out.squeeze(0).transpose(0, 1)

@@ -1,4 +1,4 @@
-"""Paged KV-cache bookkeeping: block pool, prefix cache with namespaces, per-request block tables. No torch."""
+"""Paged KV-cache bookkeeping: block pool, namespaced prefix cache, per-request block tables. No torch."""
 
 from edgeinfer.engine.kv_cache.block_pool import BlockPool
 from edgeinfer.engine.kv_cache.manager import KVCacheManager

@@ -85,8 +85,9 @@ class BlockPool:
         in_use = [b for b in range(self.num_blocks) if self.ref_cnt[b] > 0]
         free = set(self.free_queue)
         if len(free) + len(in_use) != self.num_blocks or free & set(in_use):
-            raise AssertionError(f"block accounting broken: {len(free)} free + {len(in_use)} in use "
-                                 f"!= {self.num_blocks}")
+            raise AssertionError(
+                f"block accounting broken: {len(free)} free + {len(in_use)} in use != {self.num_blocks}"
+            )
         for h, b in self.cached.items():
             if self.block_hash[b] != h:
                 raise AssertionError(f"prefix index points at block {b} whose hash differs")

@@ -11,8 +11,9 @@ def namespace_root(namespace: str) -> bytes:
     return hashlib.sha256(b"edgeinfer-ns\0" + namespace.encode()).digest()
 
 
-def chain_hashes(namespace: str, token_ids: list[int], block_size: int, start: int = 0,
-                 parent: bytes | None = None) -> list[bytes]:
+def chain_hashes(
+    namespace: str, token_ids: list[int], block_size: int, start: int = 0, parent: bytes | None = None
+) -> list[bytes]:
     """Hashes of the full blocks of `token_ids` from block index `start` (whose parent hash is given)."""
     h = parent if parent is not None else namespace_root(namespace)
     out = []

@@ -41,8 +41,9 @@ class KVCacheManager:
         self.prefix_hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
 
-    def allocate(self, request_id: str, num_tokens: int, prefix_blocks: list[int] | None = None,
-                 namespace: str = "") -> list[int] | None:
+    def allocate(
+        self, request_id: str, num_tokens: int, prefix_blocks: list[int] | None = None, namespace: str = ""
+    ) -> list[int] | None:
         """Grow the request's table to hold `num_tokens` tokens; None (and nothing changed) if the pool
         lacks blocks. A new request starts from `prefix_blocks` returned by `lookup`."""
         table = self.tables.get(request_id)
@@ -56,7 +57,9 @@ class KVCacheManager:
             table.extend(new)
         return table
 
-    def _allocate_new(self, request_id: str, num_tokens: int, prefix: list[int], namespace: str) -> list[int] | None:
+    def _allocate_new(
+        self, request_id: str, num_tokens: int, prefix: list[int], namespace: str
+    ) -> list[int] | None:
         need = blocks_for(num_tokens, self.block_size) - len(prefix)
         revived = sum(1 for b in prefix if self.pool.ref_cnt[b] == 0)
         if need + revived > self.pool.num_free:
@@ -81,8 +84,13 @@ class KVCacheManager:
         if full <= len(hashes):
             return
         parent = hashes[-1] if hashes else None
-        new = chain_hashes(self._namespaces[request_id], token_ids[: full * self.block_size], self.block_size,
-                           start=len(hashes), parent=parent)
+        new = chain_hashes(
+            self._namespaces[request_id],
+            token_ids[: full * self.block_size],
+            self.block_size,
+            start=len(hashes),
+            parent=parent,
+        )
         table = self.tables[request_id]
         for i, h in enumerate(new, start=len(hashes)):
             self.pool.register(table[i], h)

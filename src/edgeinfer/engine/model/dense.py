@@ -47,9 +47,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         g = args.gemma_style
         shape = AttentionShape(
-            hidden=args.hidden, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-            head_dim=args.head_dim, bias=args.attention_bias, qk_norm=args.qk_norm, qk_norm_eps=args.rms_eps,
-            qk_norm_unit_offset=g, scale=args.attn_scale, window=args.windows[idx], softcap=args.attn_softcap,
+            hidden=args.hidden,
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            bias=args.attention_bias,
+            qk_norm=args.qk_norm,
+            qk_norm_eps=args.rms_eps,
+            qk_norm_unit_offset=g,
+            scale=args.attn_scale,
+            window=args.windows[idx],
+            softcap=args.attn_softcap,
         )
         self.self_attn = SelfAttention(idx, shape, rope)
         self.mlp = GatedMLP(args.hidden, args.intermediate, args.act, args.mlp_bias)
@@ -96,7 +104,9 @@ class DenseCausalLM(nn.Module):
         a = self.args
         return KVSpec(a.num_layers, a.num_kv_heads, a.head_dim, a.num_kv_heads, a.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
         emb = self.model.embed_tokens
         x = emb(input_ids)
         if self.args.gemma_style:

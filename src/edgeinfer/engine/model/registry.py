@@ -36,5 +36,6 @@ def build_model(cfg: dict[str, Any]) -> nn.Module:
         if arch in _REGISTRY:
             return _REGISTRY[arch](cfg)
     raise ConfigError(
-        f"unsupported architecture {archs or '(none given)'}; supported: {', '.join(supported_architectures())}"
+        f"unsupported architecture {archs or '(none given)'}; "
+        f"supported: {', '.join(supported_architectures())}"
     )

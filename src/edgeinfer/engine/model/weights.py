@@ -37,8 +37,9 @@ def load_weights(
         param = params[target]
         dest = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
         if dest.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(dest.shape)}")
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
         dest.copy_(tensor)
         loaded.add(target)
     missing = sorted(set(params) - loaded)

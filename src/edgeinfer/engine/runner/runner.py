@@ -23,19 +23,22 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, storage: KVCacheStorage, device: torch.device,
-                 backend: str = "torch") -> None:
+    def __init__(
+        self, model: nn.Module, storage: KVCacheStorage, device: torch.device, backend: str = "torch"
+    ) -> None:
         self.model = model
         self.storage = storage
         self.device = device
         self.backend = get_attention_backend(backend, storage)
         self.sampler = Sampler()
+        self.num_steps = 0
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.sampler.forget(sched.finished)
         if sched.is_empty:
             return RunnerOutput()
+        self.num_steps += 1
         inp = build_inputs(sched.chunks, self.storage.block_size, self.device)
         self.backend.begin(inp.attn)
         hidden = self.model(inp.input_ids, inp.positions, self.backend)
@@ -58,6 +61,8 @@ class ModelRunner:
                 result[c.request_id] = []
                 continue
             lp = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
-            targets = torch.tensor(c.prompt_token_ids[c.start + 1 : c.start + 1 + len(rows)], device=lp.device)
+            targets = torch.tensor(
+                c.prompt_token_ids[c.start + 1 : c.start + 1 + len(rows)], device=lp.device
+            )
             result[c.request_id] = top_logprobs(lp, targets, c.sampling.prompt_logprobs)
         return result

@@ -77,7 +77,9 @@ class Sampler:
                 banned = [t for t in (*s.stop_token_ids, *c.eos_token_ids) if t < row.shape[0]]
                 row[banned] = float("-inf")
             if s.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(c.prompt_token_ids) | set(c.output_token_ids)), device=row.device)
+                seen = torch.tensor(
+                    sorted(set(c.prompt_token_ids) | set(c.output_token_ids)), device=row.device
+                )
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty)
             if (s.presence_penalty or s.frequency_penalty) and c.output_token_ids:

@@ -69,8 +69,9 @@ class Request:
     def check_stop(self, token: int, max_model_len: int) -> FinishReason | None:
         """Token-level stop rules after appending `token`; stop strings are the detokenizer's job."""
         n_out = len(self.output_token_ids)
-        if n_out >= self.sampling.min_tokens and (token in self.eos_token_ids
-                                                   or token in self.sampling.stop_token_ids):
+        if n_out >= self.sampling.min_tokens and (
+            token in self.eos_token_ids or token in self.sampling.stop_token_ids
+        ):
             return FinishReason.STOP
         if n_out >= self.sampling.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH

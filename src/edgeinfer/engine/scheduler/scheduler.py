@@ -31,8 +31,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self.kv = kv
         self.clock = clock
@@ -51,8 +52,10 @@ class Scheduler:
         if n == 0:
             raise ValueError("the prompt is empty")
         if n >= self.config.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens; this model's context is {self.config.max_model_len} "
-                             "tokens including at least one generated token")
+            raise ValueError(
+                f"the prompt has {n} tokens; this model's context is {self.config.max_model_len} "
+                "tokens including at least one generated token"
+            )
         if blocks_for(n + 1, self.kv.block_size) > self.kv.pool.num_blocks:
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache can ever hold")
         req.enqueue_time = self.clock()
@@ -115,8 +118,9 @@ class Scheduler:
         self._finished = []
         return out
 
-    def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str],
-                             out: SchedulerOutput) -> list[int] | None:
+    def _allocate_or_preempt(
+        self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput
+    ) -> list[int] | None:
         while True:
             table = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
             if table is not None:
@@ -149,8 +153,11 @@ class Scheduler:
             return True
         head = self.waiting.peek()
         free_seats = self.config.max_num_seqs - len(self.running)
-        return (head.num_preemptions > 0 or len(self.waiting) >= free_seats
-                or self.clock() >= self.next_admission_time())
+        return (
+            head.num_preemptions > 0
+            or len(self.waiting) >= free_seats
+            or self.clock() >= self.next_admission_time()
+        )
 
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         while len(self.waiting) and len(self.running) < self.config.max_num_seqs and budget > 0:
@@ -214,4 +221,6 @@ class Scheduler:
         self.kv.check_integrity()
         running = {r.request_id for r in self.running}
         if set(self.kv.tables) - running:
-            raise AssertionError(f"blocks held by requests not running: {sorted(set(self.kv.tables) - running)}")
+            raise AssertionError(
+                f"blocks held by requests not running: {sorted(set(self.kv.tables) - running)}"
+            )

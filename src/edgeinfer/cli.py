@@ -1,0 +1,60 @@
+"""One CLI, `edgeinfer`: generate, serve, bench, quantize, compress, eval.
+
+Each room owns its subcommand in its own `cli.py` (`add_arguments(parser)` and `run(args) -> int`);
+this file only routes. Errors the user can fix end as one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand → (module, help). Modules import lazily so `edgeinfer generate` never loads the server.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("edgeinfer.engine.cli", "generate a completion for one prompt (text to stdout)"),
+    "serve": ("edgeinfer.node.cli", "run the node server (OpenAI and Workers-AI APIs)"),
+    "bench": ("edgeinfer.bench.cli", "benchmark a running OpenAI-compatible server"),
+    "quantize": ("edgeinfer.engine.quant.cli", "write a weight-quantized checkpoint"),
+    "compress": ("edgeinfer.engine.quant.cli", "write a losslessly compressed BF16 checkpoint"),
+    "eval": ("edgeinfer.engine.quant.eval_cli", "perplexity and divergence against a baseline"),
+}
+
+
+def _load(name: str):
+    module = importlib.import_module(COMMANDS[name][0])
+    return getattr(module, f"{name}_command", module)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgeinfer", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        # Only the chosen subcommand's module is imported to add its arguments.
+        if name in argv:
+            _load(name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return _load(args.command).run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"edgeinfer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
