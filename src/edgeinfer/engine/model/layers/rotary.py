@@ -93,12 +93,23 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", (freqs.cos() * scale).float(), persistent=False)
         self.register_buffer("sin", (freqs.sin() * scale).float(), persistent=False)
+        self._step_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x of shape [T, heads, head_dim] at `positions` [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self._tables(positions)
         return tuple(self._rotate(x, cos, sin) for x in xs)
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of a step passes the same positions tensor: gather cos/sin once per step.
+        cached = self._step_cache
+        if cached is not None and cached[0] is positions:
+            return cached[1], cached[2]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        if not self.interleaved:
+            cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        self._step_cache = (positions, cos, sin)
+        return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
@@ -108,7 +119,6 @@ class RotaryEmbedding(nn.Module):
             out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         else:
             x1, x2 = xf.chunk(2, dim=-1)
-            c, s = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-            out = xf * c + torch.cat((-x2, x1), dim=-1) * s
+            out = xf * cos + torch.cat((-x2, x1), dim=-1) * sin
         out = out.type_as(x)
         return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
