@@ -65,3 +65,62 @@ def test_shared_prefix_across_requests_in_one_batch(tiny_models, engine_factory)
     first = tokens(eng, prompts, GREEDY)
     alone = engine_factory(tiny_models["llama"], enable_prefix_caching=False)
     assert first == [tokens(alone, [p], GREEDY)[0] for p in prompts]
+
+
+def prompt_logprobs(eng, prompt):
+    (res,) = eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+    return [lp.logprob for lp in res.outputs[0].prompt_logprobs[1:]]
+
+
+@pytest.mark.parametrize("kv_dtype,bound", [("int8", 0.005), ("fp8_e4m3", 0.02), ("int4", 0.06)])
+def test_quantized_kv_cache_stays_close_and_prefix_caching_works(
+    kv_dtype, bound, tiny_models, engine_factory
+):
+    """Quantized KV: prefix-cache hits reproduce the miss exactly (attention always reads the stored
+    blocks); teacher-forced logprobs of the prompt stay within `bound` (mean |Δ logprob|) of full precision
+    (greedy continuations of a random tiny model are too near-tied to compare token by token)."""
+    eng = engine_factory(tiny_models["gemma3"], kv_cache_dtype=kv_dtype)
+    first = tokens(eng, PROMPTS, GREEDY)
+    assert tokens(eng, PROMPTS, GREEDY) == first
+    ref = engine_factory(tiny_models["gemma3"])
+    for prompt in PROMPTS[:3]:
+        ours, exact = prompt_logprobs(eng, prompt), prompt_logprobs(ref, prompt)
+        mean_diff = sum(abs(a - b) for a, b in zip(ours, exact, strict=True)) / len(exact)
+        assert 0 < mean_diff < bound
+    spec = eng.model.kv_spec  # K and V: heads x (payload bytes + scale bytes) per token per layer
+    d = spec.k_dim
+    per_head = d // 2 + (d // 32) * 2 if kv_dtype == "int4" else d + 4
+    assert eng.layout.kv_bytes_per_token == spec.num_layers * 2 * spec.k_heads * per_head
+
+
+@pytest.mark.parametrize("method", ["int8", "int4:32", "fp8"])
+def test_weight_quantization_with_int8_kv_stays_within_kl_bound(method, tiny_models, engine_factory):
+    """int8/int4/fp8 weights (lm_head and embeddings included) + int8 KV against the fp32 run: the
+    next-token distributions over the prompt (teacher forcing, top-20 logprobs) stay close in KL."""
+    ref = engine_factory(tiny_models["llama"])
+    quant = engine_factory(tiny_models["llama"], quantization=method, kv_cache_dtype="int8")
+    bound = {"int8": 3e-4, "fp8": 1e-3, "int4:32": 3e-3}[method]  # max KL per position, measured ~3x below
+    for prompt in PROMPTS[:3]:
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=20)
+        (a,) = ref.generate([prompt], sp)
+        (b,) = quant.generate([prompt], sp)
+        kls = [
+            _kl_top(x.top, y.top)
+            for x, y in zip(a.outputs[0].prompt_logprobs[1:], b.outputs[0].prompt_logprobs[1:], strict=True)
+        ]
+        assert max(kls) < bound
+        changed = [
+            x.logprob != y.logprob
+            for x, y in zip(a.outputs[0].prompt_logprobs[1:], b.outputs[0].prompt_logprobs[1:], strict=True)
+        ]
+        assert any(changed)  # quantization really took effect
+    assert quant.layout.weight_bytes < ref.layout.weight_bytes / 2
+
+
+def _kl_top(p_top: list[tuple[int, float]], q_top: list[tuple[int, float]]) -> float:
+    """KL(p || q) over p's top-20 tokens (q's missing ones get q's smallest listed logprob)."""
+    import math
+
+    q = dict(q_top)
+    floor = min(q.values())
+    return sum(math.exp(lp) * (lp - q.get(t, floor)) for t, lp in p_top)

@@ -29,6 +29,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
     quantization: str | None = None
+    quantize_lm_head: bool = True  # with `quantization`: the (often tied) lm_head and embeddings too
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

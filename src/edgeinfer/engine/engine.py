@@ -59,10 +59,15 @@ class LLMEngine:
         self.model_config = ckpt.config
         self.tokenizer = Tokenizer.from_checkpoint(ckpt)
         dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_model(ckpt, dtype, self.device)
+        self.model = load_model(ckpt, dtype, self.device, config)
         self.layout: EngineLayout = plan_layout(config, self.model, dtype)
         storage = KVCacheStorage(
-            self.model.kv_spec, self.layout.num_kv_blocks, config.block_size, dtype, self.device
+            self.model.kv_spec,
+            self.layout.num_kv_blocks,
+            config.block_size,
+            dtype,
+            self.device,
+            config.kv_cache_dtype,
         )
         kv = KVCacheManager(self.layout.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(

@@ -8,12 +8,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edgeinfer.engine.attention import KVCacheStorage
+from edgeinfer.engine.attention.storage import kv_bytes_per_token
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.model.loader import Checkpoint
+from edgeinfer.engine.model.loader.base import cast_floating
 from edgeinfer.engine.model.registry import build_model
+from edgeinfer.engine.quant.apply import quantize_model
+from edgeinfer.engine.quant.base import WeightMethod, get_weight_method
+from edgeinfer.engine.quant.checkpoint import QuantizationConfig, apply_quantized_checkpoint
+from edgeinfer.engine.quant.kv import get_kv_quantizer
 
 log = logging.getLogger(__name__)
+
+# Our fused modules and the checkpoint modules they are made of, in row order.
+FUSED_PARTS = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,22 +49,71 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(
+    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, config: EngineConfig | None = None
+) -> nn.Module:
+    """Build the model, fill its weights and apply weight quantization: a quantized checkpoint
+    (compressed-tensors `quantization_config`) loads its stored states as is; `config.quantization` on a
+    float checkpoint quantizes at load."""
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype if dtype.is_floating_point else torch.float32)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = build_model(ckpt.config)
     finally:
         torch.set_default_dtype(previous)
-    model.load_weights(ckpt.iter_tensors(dtype))
+    config = config or EngineConfig(model=str(ckpt.path))
+    stored = QuantizationConfig.from_hf(ckpt.config)
+    if stored is not None:
+        _load_quantized(model, ckpt, stored, config, dtype, device)
+    else:
+        model.load_weights(ckpt.iter_tensors(_load_dtype(model, dtype)))
+        if config.quantization:
+            quantize_model(
+                model,
+                parse_quantization(config.quantization),
+                quantize_lm_head=config.quantize_lm_head,
+                quantize_embeddings=config.quantize_lm_head,
+            )
     return model.eval().requires_grad_(False)
 
 
+def _load_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """Models that keep some weights in fp32 whatever the serving dtype (sigmoid MoE routers, as HF does)
+    receive every tensor in fp32; copying into a parameter casts to that parameter's dtype."""
+    return torch.float32 if getattr(model, "keeps_fp32_weights", False) else dtype
+
+
+def parse_quantization(spec: str) -> WeightMethod:
+    """`int8`, `fp8`, `int4` or `int4:G` (group size G)."""
+    name, _, group = spec.partition(":")
+    if group and not group.isdigit():
+        raise ValueError(f"bad quantization {spec!r}: the group size after ':' must be an integer")
+    return get_weight_method(name, **({"group_size": int(group)} if group else {}))
+
+
+def _load_quantized(
+    model: nn.Module,
+    ckpt: Checkpoint,
+    stored: QuantizationConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    if config.quantization and parse_quantization(config.quantization).name != stored.method:
+        raise ValueError(
+            f"{ckpt.path} is quantized with {stored.method}; it cannot be served as "
+            f"--quantization {config.quantization}"
+        )
+    tensors = dict(ckpt.iter_tensors(None))  # float8 payloads and fp32 scales stay as stored
+    consumed = apply_quantized_checkpoint(model, tensors, stored, fused=FUSED_PARTS, device=device)
+    model.load_weights((n, cast_floating(t, dtype)) for n, t in tensors.items() if n not in consumed)
+
+
 def plan_layout(config: EngineConfig, model: nn.Module, dtype: torch.dtype) -> EngineLayout:
-    per_token = KVCacheStorage.bytes_per_token(model.kv_spec, dtype)
+    per_token = kv_bytes_per_token(model.kv_spec, get_kv_quantizer(config.kv_cache_dtype, dtype))
     blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // (per_token * config.block_size))
     max_len = min(config.max_model_len or model.args.max_pos, model.args.max_pos)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights += sum(b.numel() * b.element_size() for b in model.buffers())
+    weights += sum(b.numel() * b.element_size() for b in model.buffers())  # quantized states are buffers
     return EngineLayout(blocks, config.block_size, max_len, per_token, weights, dtype)

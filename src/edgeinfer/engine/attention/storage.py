@@ -1,10 +1,16 @@
-"""Paged KV storage: one tensor pair per layer, addressed by flat slot = block * block_size + offset."""
+"""Paged KV storage: per layer a K pool (and a V pool), addressed by flat slot = block * block_size + offset.
+
+Values pass through a `KVQuantizer` (`--kv-cache-dtype`): quantized when written, dequantized when gathered
+for attention. The default (`auto`) stores the compute dtype as is and takes a copy-free fast path.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from edgeinfer.engine.quant.kv import KVQuantizer, NullKV, get_kv_quantizer
 
 
 @dataclass(frozen=True)
@@ -23,39 +29,74 @@ class KVSpec:
         return self.k_heads * self.k_dim + self.v_heads * self.v_dim
 
 
-class KVCacheStorage:
-    """Holds the paged K/V tensors `[num_blocks, block_size, heads, dim]` for every layer."""
+def kv_bytes_per_token(spec: KVSpec, quantizer: KVQuantizer) -> int:
+    """Bytes one token occupies across all layers, scales included."""
+    per_layer = quantizer.bytes_per_token(spec.k_heads, spec.k_dim)
+    if spec.v_dim:
+        per_layer += quantizer.bytes_per_token(spec.v_heads, spec.v_dim)
+    return per_layer * spec.num_layers
+
+
+class _Pool:
+    """One paged tensor (K or V of one layer) with its per-token scales."""
 
     def __init__(
-        self, spec: KVSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self, q: KVQuantizer, blocks: int, block_size: int, heads: int, dim: int, device: torch.device
+    ) -> None:
+        self.q = q
+        self.data, self.scales = q.allocate(blocks, block_size, heads, dim, device)
+        self.plain = isinstance(q, NullKV)
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        if self.plain:
+            self.data.view(-1, *self.data.shape[2:]).index_copy_(0, slots, x.to(self.data.dtype))
+        else:
+            self.q.write(self.data, self.scales, slots, x)
+
+    def gather(self, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.plain:
+            return self.data[block_ids].flatten(-4, -3)
+        return self.q.gather_blocks(self.data, self.scales, block_ids, dtype)
+
+
+class KVCacheStorage:
+    """Holds the paged K/V pools `[num_blocks, block_size, heads, dim]` of every layer."""
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = dtype
-        shape_k = (num_blocks, block_size, spec.k_heads, spec.k_dim)
-        shape_v = (num_blocks, block_size, spec.v_heads, spec.v_dim)
-        self.k = [torch.zeros(shape_k, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.dtype = dtype  # the compute dtype attention sees
+        self.quantizer = get_kv_quantizer(kv_cache_dtype, dtype)
+        q = self.quantizer
+        self.k = [
+            _Pool(q, num_blocks, block_size, spec.k_heads, spec.k_dim, device) for _ in range(spec.num_layers)
+        ]
         self.v = [
-            torch.zeros(shape_v, dtype=dtype, device=device) if spec.v_dim else None
+            _Pool(q, num_blocks, block_size, spec.v_heads, spec.v_dim, device) if spec.v_dim else None
             for _ in range(spec.num_layers)
         ]
 
-    @staticmethod
-    def bytes_per_token(spec: KVSpec, dtype: torch.dtype) -> int:
-        """Bytes one token occupies across all layers."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return spec.values_per_token_per_layer() * spec.num_layers * elem
+    @property
+    def lossless(self) -> bool:
+        """Whether gathered K/V equal what was written (no quantization)."""
+        return isinstance(self.quantizer, NullKV) and self.quantizer.storage_dtype == self.dtype
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Store new tokens' K [T, heads, dim] (and V) at their flat slots."""
-        self.k[layer].view(-1, *self.k[layer].shape[2:]).index_copy_(0, slots, k.to(self.dtype))
+        self.k[layer].write(slots, k)
         if v is not None:
-            vc = self.v[layer]
-            vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v.to(self.dtype))
+            self.v[layer].write(slots, v)
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K (and V) of the given blocks, `block_ids` [..., n] → [..., n * block_size, heads, dim]."""
-        k = self.k[layer][block_ids].flatten(-4, -3)
-        vc = self.v[layer]
-        return k, (vc[block_ids].flatten(-4, -3) if vc is not None else None)
+        vp = self.v[layer]
+        return self.k[layer].gather(block_ids, self.dtype), (vp.gather(block_ids, self.dtype) if vp else None)

@@ -79,7 +79,9 @@ class TorchPagedBackend(AttentionBackend):
     def _prefill(self, layer, i, q, k, v, meta: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
         n, ctx = meta.query_lens[i], meta.context_lens[i]
         mask = None
-        if ctx != n:
+        # With a quantized cache, attend to what was stored even for a fresh prompt, so that a prefix-cache
+        # hit (which can only read stored values) computes exactly what the miss did.
+        if ctx != n or not self.storage.lossless:
             n_blocks = -(-ctx // meta.block_size)
             k, v = self.storage.gather(layer, meta.block_tables[i, :n_blocks])
             k, v = k[:ctx], v[:ctx]

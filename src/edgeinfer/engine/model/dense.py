@@ -6,7 +6,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from edgeinfer.engine.attention import AttentionBackend, KVSpec
@@ -96,8 +95,12 @@ class DenseCausalLM(nn.Module):
             DecoderLayer(i, args, ropes[repr(sorted(p.items()))]) for i, p in enumerate(args.rope)
         )
         self.model.norm = RMSNorm(args.hidden, args.rms_eps, args.gemma_style)
-        if not args.tie_embeddings:
-            self.lm_head = nn.Linear(args.hidden, args.vocab_size, bias=False)
+        # A module even when tied (sharing the embedding's Parameter), so weight quantization reaches it.
+        self.lm_head = nn.Linear(
+            args.hidden, args.vocab_size, bias=False, device="meta" if args.tie_embeddings else None
+        )
+        if args.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def kv_spec(self) -> KVSpec:
@@ -107,21 +110,17 @@ class DenseCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
     ) -> torch.Tensor:
-        emb = self.model.embed_tokens
-        x = emb(input_ids)
+        x = self.model.embed_tokens(input_ids)
         if self.args.gemma_style:
-            # Gemma scales embeddings by sqrt(hidden), rounded to the weight dtype as HF does.
-            x = x * torch.tensor(self.args.hidden**0.5, dtype=emb.weight.dtype)
+            # Gemma scales embeddings by sqrt(hidden), rounded to the model dtype as HF does.
+            x = x * torch.tensor(self.args.hidden**0.5, dtype=x.dtype)
         for layer in self.model.layers:
             x = layer(x, positions, backend)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the rows that need them (sampling positions)."""
-        if self.args.tie_embeddings:
-            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
-        else:
-            logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
         if self.args.final_softcap:
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits

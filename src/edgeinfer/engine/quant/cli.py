@@ -1,0 +1,98 @@
+"""`edgeinfer quantize` and `edgeinfer compress` (the top-level CLI finds `quantize_command` /
+`compress_command` here, each with `add_arguments(parser)` and `run(args) -> int`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from edgeinfer.engine.quant.base import QuantizationError, get_weight_method, weight_methods
+from edgeinfer.engine.quant.int4 import GROUP_SIZES
+from edgeinfer.engine.quant.io import CheckpointSource, source_from_dir
+
+log = logging.getLogger(__name__)
+
+
+def open_source(spec: str) -> CheckpointSource:
+    """An HF safetensors directory as stored, or anything `open_checkpoint` opens (a `.gguf`, the default
+    model's name), dequantized to bf16 with its tokenizer files built."""
+    path = Path(spec).expanduser()
+    if path.is_dir() and any(path.glob("*.safetensors")):
+        return source_from_dir(path)
+    from edgeinfer.engine.model.loader import open_checkpoint
+    from edgeinfer.engine.tokenizer import Tokenizer
+
+    ckpt = open_checkpoint(spec)
+    Tokenizer.from_checkpoint(ckpt)  # builds and caches tokenizer files for a GGUF, so they can be copied
+    log.info("reading %s (%s), floating-point tensors as bf16", ckpt.path, ckpt.format)
+    tensors = ckpt.iter_tensors(torch.bfloat16)
+    return CheckpointSource(str(ckpt.path), ckpt.config, tensors, ckpt.tokenizer_dir)
+
+
+def _add_io(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("input", help="HF safetensors directory, .gguf file, or model name (gemma-3-270m)")
+    parser.add_argument("output", type=Path, help=f"directory to write the {what} checkpoint to")
+
+
+def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_io(parser, "quantized")
+    parser.add_argument("--quantization", "-q", required=True, choices=weight_methods(), help="weight method")
+    parser.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES, help="int4 group size")
+    parser.add_argument("--quantize-lm-head", action="store_true", help="also quantize an untied lm_head")
+    parser.add_argument("--quantize-embeddings", action="store_true", help="also quantize embedding tables")
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="keep modules matching PATTERN unquantized",
+    )
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    from edgeinfer.engine.quant.convert import quantize_checkpoint
+
+    options = {"group_size": args.group_size} if args.quantization == "int4" else {}
+    method = get_weight_method(args.quantization, **options)
+    _refuse_existing(args.output)
+    report = quantize_checkpoint(
+        open_source(args.input),
+        args.output,
+        method,
+        skip=args.skip,
+        quantize_lm_head=args.quantize_lm_head,
+        quantize_embeddings=args.quantize_embeddings,
+    )
+    print(f"{args.output}: {report.summary()}")
+    return 0
+
+
+def add_compress_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_io(parser, "losslessly compressed")
+    parser.add_argument("--no-verify", action="store_true", help="skip decoding the output to check it")
+
+
+def run_compress(args: argparse.Namespace) -> int:
+    from edgeinfer.engine.quant.codec import compress_checkpoint, open_compressed
+
+    _refuse_existing(args.output)
+    stats = compress_checkpoint(open_source(args.input), args.output)
+    if not args.no_verify:
+        # every tensor is decoded and its sha256 compared with the original's
+        checked = sum(1 for _ in open_compressed(args.output))
+        log.info("verified %d tensors bit-exact", checked)
+    print(f"{args.output}: {stats.summary()}")
+    return 0
+
+
+def _refuse_existing(out: Path) -> None:
+    if out.exists() and any(out.iterdir()):
+        raise QuantizationError(f"{out} exists and is not empty")
+
+
+quantize_command = SimpleNamespace(add_arguments=add_quantize_arguments, run=run_quantize)
+compress_command = SimpleNamespace(add_arguments=add_compress_arguments, run=run_compress)

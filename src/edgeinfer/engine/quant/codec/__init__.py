@@ -1,0 +1,21 @@
+"""Lossless bf16 weight codec (exponent Huffman coding) and its `.eiz` container."""
+
+from edgeinfer.engine.quant.codec.container import CodecError
+from edgeinfer.engine.quant.codec.files import (
+    COMPRESSED_FILE,
+    CompressedFile,
+    CompressStats,
+    compress_checkpoint,
+    compress_tensors,
+    open_compressed,
+)
+
+__all__ = [
+    "COMPRESSED_FILE",
+    "CodecError",
+    "CompressStats",
+    "CompressedFile",
+    "compress_checkpoint",
+    "compress_tensors",
+    "open_compressed",
+]

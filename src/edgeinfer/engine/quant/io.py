@@ -1,0 +1,78 @@
+"""Reading a Hugging Face safetensors directory and carrying its side files (config, tokenizer) along."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from edgeinfer.engine.quant.base import QuantizationError
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+#: files never carried into a converted checkpoint (weights, their index, loader caches' stamps)
+_NOT_CARRIED = (SAFETENSORS_INDEX, "config.json", "edgeinfer_source.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf", ".eiz")
+
+
+@dataclass
+class CheckpointSource:
+    """What a conversion reads: an HF-shaped config, tensors (iterated once), and a directory whose
+    tokenizer and generation files are carried into the output."""
+
+    label: str
+    config: dict[str, Any]
+    tensors: Iterable[tuple[str, torch.Tensor]]
+    side_dir: Path | None
+
+
+def source_from_dir(src: Path) -> CheckpointSource:
+    """An HF safetensors directory, tensors in their stored dtypes (nothing is cast)."""
+    safetensors_files(src)  # fail early on an empty directory
+    return CheckpointSource(str(src), read_config(src), iter_safetensors(src), src)
+
+
+def safetensors_files(src: Path) -> list[Path]:
+    """The weight files of a checkpoint directory, in a stable order."""
+    if not src.is_dir():
+        raise QuantizationError(f"{src} is not a directory")
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise QuantizationError(f"no *.safetensors files in {src}")
+    return files
+
+
+def iter_safetensors(src: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream `(name, tensor)` from every safetensors file of a directory, one tensor in memory at a time."""
+    for path in safetensors_files(src):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield name, f.get_tensor(name)
+
+
+def read_config(src: Path) -> dict[str, Any]:
+    """config.json of a checkpoint directory (empty when there is none)."""
+    path = src / "config.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise QuantizationError(f"{path}: invalid JSON ({e})") from None
+
+
+def write_output_files(dst: Path, source: CheckpointSource, config: dict[str, Any]) -> list[str]:
+    """Write `config` as dst/config.json and copy the source's other non-weight files; returns their names."""
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    copied = []
+    if source.side_dir is not None and source.side_dir.is_dir():
+        for path in sorted(source.side_dir.iterdir()):
+            if path.is_file() and path.suffix not in _WEIGHT_SUFFIXES and path.name not in _NOT_CARRIED:
+                shutil.copy2(path, dst / path.name)
+                copied.append(path.name)
+    return copied

@@ -1,0 +1,126 @@
+"""Modules that stand in for `nn.Linear` / `nn.Embedding` with quantized weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from edgeinfer.engine.quant.base import (
+    PreparedWeight,
+    QuantizationError,
+    WeightMethod,
+    flatten_tokens,
+    get_weight_method,
+)
+
+
+class QuantLinear(nn.Module):
+    """`y = x @ W.T + b` with `W` held by a weight method in its runtime form.
+
+    The runtime tensors are buffers (so `.to()`, `state_dict()` and memory accounting see them), but the
+    CPU int4 layout is machine-specific: build layers on the device they will run on, from a float weight
+    (`from_float`) or from a checkpoint state (`from_state`).
+    """
+
+    def __init__(
+        self, method: WeightMethod, prepared: PreparedWeight, bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        self.method = method
+        self.kernel = prepared.kernel
+        self.in_features = prepared.in_features
+        self.out_features = prepared.out_features
+        self._names = tuple(prepared.tensors)
+        for name, tensor in prepared.tensors.items():
+            self.register_buffer(name, tensor)
+        # a buffer, not a Parameter: loaders that fill every parameter leave quantized layers alone
+        self.register_buffer("bias", bias.detach().clone() if bias is not None else None)
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        method: str | WeightMethod = "int8",
+        device: torch.device | str | None = None,
+    ) -> QuantLinear:
+        """Quantize a float `[out, in]` weight."""
+        m = get_weight_method(method)
+        if weight.dim() != 2:
+            raise QuantizationError(f"QuantLinear needs a 2-D weight, got shape {tuple(weight.shape)}")
+        device = weight.device if device is None else device
+        return cls(m, m.prepare(m.quantize(weight.detach()), device), bias)
+
+    @classmethod
+    def from_state(
+        cls,
+        state: dict[str, torch.Tensor],
+        method: str | WeightMethod,
+        bias: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> QuantLinear:
+        """Build from a saved (portable) state, e.g. from `load_quantized_linear_state`."""
+        m = get_weight_method(method)
+        return cls(m, m.prepare(state, device), bias)
+
+    def prepared(self) -> PreparedWeight:
+        """The runtime weight (current buffers, so it follows `.to()`)."""
+        tensors = {n: getattr(self, n) for n in self._names}
+        return PreparedWeight(self.kernel, tensors, self.out_features, self.in_features)
+
+    def kernel_for(self, num_tokens: int) -> str:
+        """The code path `forward` takes for `num_tokens` rows."""
+        return self.method.kernel_for(self.prepared(), num_tokens)
+
+    def weight_nbytes(self) -> int:
+        """Bytes of quantized weight storage (bias excluded)."""
+        return self.prepared().nbytes()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = flatten_tokens(x, self.in_features)
+        y = self.method.apply(self.prepared(), x2)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, method={self.method!r}, kernel={self.kernel}"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table stored in a method's portable state; looked-up rows are dequantized.
+
+    Per-row scales (int8, fp8) and per-row groups (int4) make each row independent, so a lookup only
+    touches the rows it returns.
+    """
+
+    def __init__(self, method: WeightMethod, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        super().__init__()
+        method.check_state(state)
+        self.method = method
+        self.dtype = dtype
+        self._names = tuple(state)
+        for name, tensor in state.items():
+            self.register_buffer(name, tensor)
+        self.num_embeddings = int(state[self._names[0]].shape[0])
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, method: str | WeightMethod, dtype: torch.dtype | None = None
+    ) -> QuantEmbedding:
+        m = get_weight_method(method)
+        return cls(m, m.quantize(weight.detach()), dtype or weight.dtype)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, n) for n in self._names}
+
+    def weight_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state().values())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise QuantizationError(f"token id out of range [0, {self.num_embeddings})")
+        return self.method.embedding_rows(self.state(), ids, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, method={self.method!r}, dtype={self.dtype}"
