@@ -50,7 +50,8 @@ class Sampler:
             if not ok:
                 result.errors[c.request_id] = "the model produced NaN or Inf logits"
         raw = logits
-        logits = self._apply_penalties(logits.clone(), chunks)
+        if any(_needs_penalties(c) for c in chunks):  # copy only when logits will be edited
+            logits = self._apply_penalties(logits.clone(), chunks)
         greedy = torch.tensor([c.sampling.greedy for c in chunks], device=logits.device)
         chosen = logits.argmax(dim=-1)
         if not bool(greedy.all()):
@@ -120,6 +121,12 @@ class Sampler:
             gen = torch.Generator(device=device).manual_seed(seed)
             self._generators[chunk.request_id] = gen
         return gen
+
+
+def _needs_penalties(c: ScheduledChunk) -> bool:
+    s = c.sampling
+    return (len(c.output_token_ids) < s.min_tokens or s.repetition_penalty != 1.0 or s.presence_penalty != 0.0
+            or s.frequency_penalty != 0.0)
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
