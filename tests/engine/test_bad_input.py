@@ -69,3 +69,38 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 
     with pytest.raises(ValueError, match="nope"):
         make_engine(str(tmp_path / "nope"))
+
+
+def test_nan_request_fails_alone_and_leaves_no_poison(tiny_llama, tmp_path):
+    """A request whose logits turn NaN fails with an error; requests running with it, and later ones that
+    reuse its freed blocks, produce exactly what a clean engine produces."""
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.conftest import make_engine
+    from edgeinfer.types import FinishReason
+
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(tiny_llama, poisoned)
+    weights = next(poisoned.glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors["model.embed_tokens.weight"][7] = math.nan  # token 7 poisons whoever reads it
+    save_file(tensors, weights, metadata={"format": "pt"})
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    good = [[3, 4, 5], [9, 10, 11, 12, 13]]
+    clean = [r.token_ids for r in make_engine(str(tiny_llama), num_kv_blocks=16).generate(good, sp)]
+    eng = make_engine(str(poisoned), num_kv_blocks=16)
+    eng.add_request(EngineRequest("bad", [3, 7, 5], sp))
+    eng.add_request(EngineRequest("good0", good[0], sp))
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+            if o.request_id == "good0" and len(outs["good0"]) == 2:
+                eng.add_request(EngineRequest("good1", good[1], sp))  # reuses the failed request's blocks
+    assert outs["bad"][-1].finish_reason == FinishReason.ERROR and "NaN" in outs["bad"][-1].error
+    for i in range(2):
+        got = [t for o in outs[f"good{i}"] for t in o.new_token_ids]
+        assert got == clean[i] and outs[f"good{i}"][-1].finish_reason == FinishReason.LENGTH
+    eng.check_integrity()

@@ -69,8 +69,9 @@ class AsyncLLMEngine:
         self._wake.set()
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            return self.engine.stats()
+        # No lock: plain counter reads are atomic under the GIL, and a metrics scrape must never wait
+        # for a model step. The numbers may be one step stale.
+        return self.engine.stats()
 
     def memory_bytes(self) -> int:
         return self.engine.memory_bytes()

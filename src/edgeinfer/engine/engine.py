@@ -135,6 +135,7 @@ class LLMEngine:
         now = self.clock()
         outputs = []
         for rid, message in result.errors.items():
+            self.runner.storage.zero_blocks(self.scheduler.kv.exclusive_blocks(rid))
             req = self.scheduler.finish(rid, FinishReason.ERROR)
             if req is not None:
                 log.error("request %s failed: %s", rid, message)

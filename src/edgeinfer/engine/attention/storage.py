@@ -90,6 +90,16 @@ class KVCacheStorage:
         """Whether gathered K/V equal what was written (no quantization)."""
         return isinstance(self.quantizer, NullKV) and self.quantizer.storage_dtype == self.dtype
 
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Scrub blocks. Attention reads whole blocks and masks the slots past a sequence's end; a masked
+        NaN still poisons the output (0 × NaN), so NaN left by a failed request must not outlive it."""
+        if not block_ids:
+            return
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].data.device)
+        for pool in (*self.k, *(v for v in self.v if v is not None)):
+            for t in (pool.data, pool.scales):  # as bytes: float8 has no index_fill_ on CPU
+                t.view(torch.uint8).index_fill_(0, idx, 0)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Store new tokens' K [T, heads, dim] (and V) at their flat slots."""
         self.k[layer].write(slots, k)

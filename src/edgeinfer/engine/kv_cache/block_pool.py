@@ -65,6 +65,10 @@ class BlockPool:
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
 
+    def forget(self, block: int) -> None:
+        """Drop one block's prefix-index entry (its content will not be reused)."""
+        self._drop_hash(block)
+
     def reset_prefix_cache(self) -> int:
         """Forget every unreferenced cached block; returns how many were dropped."""
         dropped = [b for b in self.free_queue if self.block_hash[b] is not None]

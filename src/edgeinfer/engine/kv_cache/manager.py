@@ -96,6 +96,14 @@ class KVCacheManager:
             self.pool.register(table[i], h)
         hashes.extend(new)
 
+    def exclusive_blocks(self, request_id: str) -> list[int]:
+        """Blocks only this request references, dropped from the prefix index: their content is about to be
+        discarded as garbage (e.g. NaN K/V of a failed request) and must never be served as a prefix."""
+        blocks = [b for b in self.tables.get(request_id, []) if self.pool.ref_cnt[b] == 1]
+        for block in blocks:
+            self.pool.forget(block)
+        return blocks
+
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, None)
         if table is None:

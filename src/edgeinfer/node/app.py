@@ -1,0 +1,100 @@
+"""The FastAPI application of one node: `create_app(config, pool)`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from edgeinfer import __version__
+from edgeinfer.node import error_handlers, routes_openai, routes_ops, routes_workers_ai
+from edgeinfer.node.config import NodeConfig
+from edgeinfer.node.files import load_table
+from edgeinfer.node.metering import UsageStore
+from edgeinfer.node.middleware import NodeMiddleware
+from edgeinfer.node.prices import PriceTable
+from edgeinfer.node.ratelimit import RateLimiter
+from edgeinfer.node.service import NodeService
+from edgeinfer.node.tenants import TenantRegistry
+from edgeinfer.obs.metrics import EngineGauges, NodeMetrics
+from edgeinfer.pool.manager import ModelPool
+from edgeinfer.pool.member import LocalMember
+
+logger = logging.getLogger("edgeinfer.node")
+
+
+class _PoolMetrics:
+    """Forwards pool load/evict events to the metrics."""
+
+    def __init__(self, metrics: NodeMetrics) -> None:
+        self._metrics = metrics
+
+    def on_load(self, name: str, seconds: float, memory_bytes: int) -> None:
+        self._metrics.model_loaded(name, seconds, memory_bytes)
+
+    def on_evict(self, name: str, memory_bytes: int) -> None:
+        self._metrics.model_evicted(name)
+
+
+def engine_gauges(pool: ModelPool) -> dict[str, EngineGauges]:
+    """Scrape-time state of every resident member (upstreams: what the node has in flight)."""
+    gauges = {}
+    for name, member in pool.residents().items():
+        if isinstance(member, LocalMember):
+            s = member.engine.stats()
+            gauges[name] = EngineGauges(
+                s.num_running,
+                s.num_waiting,
+                s.kv_usage,
+                s.prefix_cache_queries,
+                s.prefix_cache_hits,
+                s.num_preemptions,
+            )
+        else:
+            gauges[name] = EngineGauges(num_running=pool.in_flight(name), num_waiting=0)
+    return gauges
+
+
+def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
+    """Build the server around `pool`; the app owns it from then on (preloads it, shuts it down)."""
+    secret = config.server_secret or secrets.token_bytes(32)
+    if config.tenants_file:
+        tenants = TenantRegistry.from_mapping(load_table(config.tenants_file), secret)
+    else:
+        tenants = TenantRegistry.open(secret)
+    prices = PriceTable.from_mapping(load_table(config.prices_file)) if config.prices_file else PriceTable()
+    metrics = NodeMetrics(engine_source=lambda: engine_gauges(pool))
+    metrics.pool_budget_bytes.set(pool.budget_bytes or 0)
+    pool.add_listener(_PoolMetrics(metrics))
+    store = UsageStore(config.usage_db)
+    service = NodeService(config.limits, pool, tenants, RateLimiter(), store, prices, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            await pool.preload(config.preload)
+            app.state.ready = True
+            logger.info("node ready; models: %s", ", ".join(s.name for s in pool.states()))
+            yield
+        finally:
+            app.state.ready = False
+            await pool.shutdown()
+            await asyncio.to_thread(store.close)
+
+    app = FastAPI(
+        title="edgeinfer node",
+        version=__version__,
+        description="OpenAI and Workers-AI compatible inference: tenants, metering, a warm model pool.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.state.ready = False
+    error_handlers.install(app)
+    for module in (routes_openai, routes_workers_ai, routes_ops):
+        app.include_router(module.router)
+    app.add_middleware(NodeMiddleware, metrics=metrics, max_body_bytes=config.limits.max_body_bytes)
+    return app

@@ -1,0 +1,204 @@
+"""`edgeinfer serve`: the node server (OpenAI and Workers-AI APIs) over a warm model pool."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from edgeinfer.node.config import NodeConfig, NodeLimits, default_usage_db
+from edgeinfer.obs.access_log import ACCESS_LOGGER
+from edgeinfer.pool.spec import (
+    LOCAL,
+    MemberSpec,
+    parse_alias_arg,
+    parse_bytes,
+    parse_model_arg,
+    parse_upstream_arg,
+)
+
+DEFAULT_MODEL = "gemma-3-270m"
+DEFAULT_ALIASES = ("@cf/google/gemma-3-270m",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    models = parser.add_argument_group("models and pool")
+    models.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help=f"register a local model (repeatable; names may contain '/'); default {DEFAULT_MODEL}",
+    )
+    models.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="register an external OpenAI-compatible server (SGLang, vLLM, llama.cpp, edgeinfer)",
+    )
+    models.add_argument(
+        "--alias", action="append", default=[], metavar="ALIAS=NAME", help="another name for a model"
+    )
+    models.add_argument(
+        "--preload",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="load these models at start (bare --preload: every local model)",
+    )
+    models.add_argument("--pin", action="append", default=[], metavar="NAME", help="never evict this model")
+    models.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="SIZE",
+        help="memory for resident models, e.g. 2GiB (default: unlimited)",
+    )
+    engine = parser.add_argument_group("engine (for every local model)")
+    engine.add_argument("--device", default="cpu")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    engine.add_argument("--kv-cache-memory", default="512MiB", metavar="SIZE", help="KV cache per model")
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    engine.add_argument("--batch-window-ms", type=float, default=2.0)
+    engine.add_argument("--quantization", default=None, help="int8, int4, fp8")
+    engine.add_argument("--kv-cache-dtype", default="auto")
+    engine.add_argument("--no-prefix-caching", action="store_true")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="API keys (JSON/TOML, sha256 only); without it the server runs open",
+    )
+    server.add_argument("--prices", default=None, metavar="FILE", help="per-model price table (JSON/TOML)")
+    server.add_argument(
+        "--usage-db", default=None, metavar="PATH", help=f"SQLite usage store ({default_usage_db()})"
+    )
+    server.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="FILE",
+        help="key for tenant cache namespaces (default: random per process)",
+    )
+    server.add_argument("--no-access-log", action="store_true")
+    limits = parser.add_argument_group(
+        "request limits (beyond them: 400, 413 for the body, 429 for the queue)"
+    )
+    defaults = NodeLimits()
+    for name, text in _LIMIT_HELP.items():
+        value = getattr(defaults, name)
+        limits.add_argument(f"--{name.replace('_', '-')}", type=int, default=value, help=f"{text} ({value})")
+
+
+_LIMIT_HELP = {
+    "max_prompt_tokens": "prompt tokens per request",
+    "max_tokens": "max_tokens per request",
+    "max_n": "choices per request (n × prompts)",
+    "max_top_logprobs": "top logprobs per token",
+    "max_stop": "stop sequences per request",
+    "max_body_bytes": "request body bytes",
+    "max_queue_depth": "requests waiting per model before 429 (code 3040)",
+    "workers_ai_default_max_tokens": "max_tokens when a Workers-AI request gives none",
+}
+
+
+def build_config(args: argparse.Namespace) -> NodeConfig:
+    limits = NodeLimits(**{name: getattr(args, name) for name in NodeLimits.__dataclass_fields__})
+    return NodeConfig(
+        limits=limits,
+        tenants_file=args.tenants,
+        prices_file=args.prices,
+        usage_db=args.usage_db or default_usage_db(),
+        server_secret=Path(args.secret_file).read_bytes() if args.secret_file else None,
+        preload=tuple(_preload_names(args)),
+    )
+
+
+def build_specs(args: argparse.Namespace) -> list[MemberSpec]:
+    specs = [parse_model_arg(v) for v in args.model] + [parse_upstream_arg(v) for v in args.upstream]
+    if not specs:
+        specs = [MemberSpec(DEFAULT_MODEL, LOCAL, DEFAULT_MODEL)]
+    aliases: dict[str, list[str]] = {}
+    for value in args.alias:
+        alias, name = parse_alias_arg(value)
+        aliases.setdefault(name, []).append(alias)
+    for alias in DEFAULT_ALIASES:
+        aliases.setdefault(DEFAULT_MODEL, []).append(alias)
+    names = {s.name for s in specs}
+    unknown = (set(args.pin) | {n for n in aliases if n != DEFAULT_MODEL}) - names
+    if unknown:
+        raise ValueError(f"--pin/--alias name unknown model(s): {', '.join(sorted(unknown))}")
+    return [
+        MemberSpec(s.name, s.kind, s.target, tuple(aliases.get(s.name, ())), s.name in args.pin)
+        for s in specs
+    ]
+
+
+def _preload_names(args: argparse.Namespace) -> list[str]:
+    if args.preload is None:
+        return []
+    if args.preload:
+        return list(args.preload)
+    specs = build_specs(args)
+    return [s.name for s in specs if s.kind == LOCAL]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the server and block until it stops (Ctrl-C)."""
+    import uvicorn
+
+    from edgeinfer.engine.config import EngineConfig
+    from edgeinfer.node.app import create_app
+    from edgeinfer.pool.loader import EngineLoader
+    from edgeinfer.pool.manager import ModelPool
+
+    config = build_config(args)
+    engine_config = EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        batch_window_ms=args.batch_window_ms,
+        enable_prefix_caching=not args.no_prefix_caching,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    pool = ModelPool(build_specs(args), EngineLoader(engine_config), budget_bytes=budget)
+    for name in config.preload:
+        pool.resolve(name)  # an unknown --preload name fails here, in one line, before anything loads
+    _configure_access_log(enabled=not args.no_access_log)
+    app = create_app(config, pool)
+    uvicorn.run(app, host=args.host, port=args.port, access_log=False, timeout_graceful_shutdown=30)
+    return 0
+
+
+def _configure_access_log(enabled: bool) -> None:
+    """Access lines are bare JSON on stdout (one per request); everything else logs to stderr."""
+    access = logging.getLogger(ACCESS_LOGGER)
+    access.propagate = False
+    access.setLevel(logging.INFO if enabled else logging.WARNING)
+    if enabled and not access.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m edgeinfer.node ...`: the same as `edgeinfer serve ...`."""
+    parser = argparse.ArgumentParser(prog="edgeinfer serve", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except (ValueError, OSError) as exc:
+        print(f"edgeinfer serve: error: {exc}", file=sys.stderr)
+        return 2

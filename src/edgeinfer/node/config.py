@@ -1,0 +1,45 @@
+"""Frozen configuration of the node server."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def default_usage_db() -> str:
+    """`$XDG_STATE_HOME/edgeinfer/usage.sqlite` (default `~/.local/state/...`)."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(state) / "edgeinfer" / "usage.sqlite")
+
+
+@dataclass(frozen=True)
+class NodeLimits:
+    """Per-request bounds; anything above them is refused with 400 (413 for the body)."""
+
+    max_prompt_tokens: int = 32768
+    max_tokens: int = 4096
+    max_n: int = 8
+    max_top_logprobs: int = 20
+    max_stop: int = 16
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_queue_depth: int = 256
+    workers_ai_default_max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) < 1:
+                raise ValueError(f"limit {name} must be >= 1")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """How the server authenticates, meters and bounds requests. The pool is configured separately."""
+
+    limits: NodeLimits = field(default_factory=NodeLimits)
+    tenants_file: str | None = None
+    prices_file: str | None = None
+    usage_db: str = field(default_factory=default_usage_db)
+    # HMAC key for tenant cache namespaces; random per process when unset (the KV cache is in-process).
+    server_secret: bytes | None = None
+    preload: tuple[str, ...] = ()

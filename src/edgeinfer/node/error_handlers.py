@@ -1,0 +1,52 @@
+"""Every error leaves in the caller's API shape: OpenAI's on /v1, the Workers-AI envelope on /ai/run."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from edgeinfer.node.errors import ApiError, bad_request, internal, unprocessable
+
+logger = logging.getLogger("edgeinfer.node")
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return exc.response(request.url.path)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """Invalid JSON → 400; valid JSON with wrong fields or types → 422, naming the first bad field."""
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        error = bad_request(f"invalid JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
+    else:
+        where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        error = unprocessable(f"{where}: {first['msg']}{more}", param=where)
+    return error.response(request.url.path)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code)
+    error = ApiError(exc.status_code, str(exc.detail), code=code)
+    return error.response(request.url.path)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s", request.url.path)
+    return internal(f"internal error: {exc!r}").response(request.url.path)

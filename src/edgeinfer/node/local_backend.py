@@ -1,0 +1,258 @@
+"""Runs jobs on a resident `AsyncLLMEngine`: tokenize, fan out n choices, merge their deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from edgeinfer.node.config import NodeLimits
+from edgeinfer.node.errors import ApiError, bad_request, internal
+from edgeinfer.node.jobs import CHAT, Backend, ChoiceDelta, Job, LogprobEntry, Outcome
+from edgeinfer.obs.canary import DEGENERATE_REPETITION, NONFINITE_LOGITS, is_degenerate_repetition
+from edgeinfer.obs.timing import LatencyBreakdown
+from edgeinfer.pool.member import LocalMember
+from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
+
+@dataclasses.dataclass
+class _Choice:
+    """Per-choice progress while merging engine streams."""
+
+    request: EngineRequest
+    prompt_text: str
+    echoed: bool = False
+    finished: bool = False
+    last_token_at: float | None = None
+    usage: Usage | None = None  # cumulative, from the latest engine output
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+class LocalBackend(Backend):
+    def __init__(self, member: LocalMember, limits: NodeLimits, tenant: str, cache_namespace: str) -> None:
+        self._member = member
+        self._engine = member.engine
+        self._tokenizer = member.tokenizer
+        self._limits = limits
+        self._tenant = tenant
+        self._namespace = cache_namespace
+        self._choices: list[_Choice] = []
+        self._pieces: dict[int, str] = {}
+        self.version = member.version
+
+    def queue_state(self) -> tuple[int, bool]:
+        # stats() takes the engine lock, held during a model step: hence "call from a worker thread".
+        stats = self._engine.stats()
+        return stats.num_waiting, stats.num_waiting > 0 or stats.num_running >= self._member.max_num_seqs
+
+    def prepare(self, job: Job) -> int:
+        prompts = self._tokenize(job)
+        ctx = self._member.max_model_len
+        reserve = 0
+        for p, (ids, text) in enumerate(prompts):
+            max_tokens = self._max_tokens(job, len(ids), ctx)
+            echo_logprobs = job.logprobs if job.echo else None
+            sampling = _replace(job.sampling, max_tokens=max_tokens, prompt_logprobs=echo_logprobs)
+            for i in range(job.n):
+                seed = None if sampling.seed is None else sampling.seed + i
+                request = EngineRequest(
+                    request_id=f"{job.request_id}-{p * job.n + i}",
+                    prompt_token_ids=ids,
+                    sampling=_replace(sampling, seed=seed),
+                    tenant=self._tenant,
+                    model=self._member.name,
+                    arrival_time=job.arrival,
+                    cache_namespace=self._namespace,
+                )
+                self._choices.append(_Choice(request, text))
+            reserve += len(ids) + job.n * max_tokens
+        return reserve
+
+    def _tokenize(self, job: Job) -> list[tuple[list[int], str]]:
+        tok = self._tokenizer
+        if job.kind == CHAT:
+            text = tok.apply_chat_template(job.messages, add_generation_prompt=True)
+            # The chat template already holds the special tokens (BOS) the model expects.
+            return [(tok.encode(text, add_special_tokens=False), text)]
+        out: list[tuple[list[int], str]] = []
+        for prompt in job.prompts:
+            if isinstance(prompt, str):
+                ids = tok.encode(prompt, add_special_tokens=True)
+                out.append((ids, prompt))
+            else:
+                bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
+                if bad:
+                    raise bad_request(
+                        f"prompt token id {bad[0]} is outside the vocabulary [0, {tok.vocab_size})"
+                    )
+                out.append((list(prompt), tok.decode(prompt, skip_special_tokens=False)))
+        return out
+
+    def _max_tokens(self, job: Job, prompt_len: int, ctx: int) -> int:
+        if prompt_len == 0:
+            raise bad_request("the prompt is empty", "prompt")
+        if prompt_len > self._limits.max_prompt_tokens:
+            raise bad_request(
+                f"the prompt has {prompt_len} tokens, above this server's limit of "
+                f"{self._limits.max_prompt_tokens}"
+            )
+        room = ctx - prompt_len
+        if room < 1:
+            raise bad_request(
+                f"this model's maximum context length is {ctx} tokens; the prompt has {prompt_len}"
+            )
+        if job.max_tokens is None:
+            return min(self._limits.max_tokens, room)
+        if not job.max_tokens_explicit:
+            return min(job.max_tokens, room)
+        if job.max_tokens > room:
+            raise bad_request(
+                f"this model's maximum context length is {ctx} tokens; the prompt has {prompt_len} tokens "
+                f"and max_tokens is {job.max_tokens}",
+                "max_tokens",
+            )
+        return job.max_tokens
+
+    async def run(self, job: Job, outcome: Outcome) -> AsyncGenerator[ChoiceDelta, None]:
+        outcome.version = self.version
+        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(i, c.request, merged)) for i, c in enumerate(self._choices)]
+        remaining = len(self._choices)
+        try:
+            while remaining:
+                index, item = await merged.get()
+                if isinstance(item, BaseException):
+                    raise _as_api_error(item)
+                for delta in self._deltas(job, index, item, outcome):
+                    yield delta
+                if item.finished:
+                    remaining -= 1
+        finally:
+            for task in pumps:
+                task.cancel()
+            for choice in self._choices:
+                if not choice.finished:
+                    self._engine.abort(choice.request.request_id)
+            # Billed even when cut short: what the engine did compute for each choice so far.
+            outcome.usage = self._total_usage(job.n)
+
+    def _total_usage(self, n: int) -> Usage:
+        total = Usage()
+        for index, choice in enumerate(self._choices):
+            if choice.usage is None:
+                continue
+            if index % n == 0:
+                # The n choices of a prompt share it: its tokens are counted once, from the first choice.
+                total.prompt_tokens += choice.usage.prompt_tokens
+                total.cached_tokens += choice.usage.cached_tokens
+            total.completion_tokens += choice.usage.completion_tokens
+        return total
+
+    async def _pump(self, index: int, request: EngineRequest, merged: asyncio.Queue[Any]) -> None:
+        # The engine never waits on us: it fills the generator's own queue, and this task moves
+        # deltas into an unbounded merge queue (bounded in practice by max_tokens).
+        try:
+            async for output in self._engine.generate(request):
+                merged.put_nowait((index, output))
+        except Exception as exc:
+            merged.put_nowait((index, exc))
+
+    def _deltas(self, job: Job, index: int, out: RequestOutput, outcome: Outcome) -> list[ChoiceDelta]:
+        choice = self._choices[index]
+        choice.usage = out.usage
+        deltas: list[ChoiceDelta] = []
+        if job.echo and not choice.echoed and self._echo_ready(job, out):
+            choice.echoed = True
+            deltas.append(self._echo_delta(job, index, choice, out))
+        now = time.monotonic()
+        if out.new_token_ids:
+            self._observe_tokens(choice, out.new_token_ids, now, job, outcome)
+        logprobs = self._entries(out.logprobs) if job.logprobs is not None else None
+        finish = self._finish(job, index, out, outcome, now) if out.finished else None
+        if out.text_delta or logprobs or finish:
+            deltas.append(ChoiceDelta(index, out.text_delta, logprobs, finish))
+        return deltas
+
+    @staticmethod
+    def _echo_ready(job: Job, out: RequestOutput) -> bool:
+        # Prompt logprobs arrive with the first output that carries a token; the echo waits for them.
+        return (
+            job.logprobs is None or out.prompt_logprobs is not None or bool(out.new_token_ids) or out.finished
+        )
+
+    def _echo_delta(self, job: Job, index: int, choice: _Choice, out: RequestOutput) -> ChoiceDelta:
+        if job.logprobs is None:
+            return ChoiceDelta(index, choice.prompt_text)
+        ids = choice.request.prompt_token_ids
+        given = out.prompt_logprobs or []
+        entries = [
+            self._entry(given[i])
+            if i < len(given) and given[i] is not None
+            else LogprobEntry(self._piece(t), None)
+            for i, t in enumerate(ids)
+        ]
+        return ChoiceDelta(index, choice.prompt_text, entries)
+
+    def _observe_tokens(
+        self, choice: _Choice, ids: list[int], now: float, job: Job, outcome: Outcome
+    ) -> None:
+        if choice.last_token_at is None:
+            ttft = now - job.arrival
+            if outcome.latency.ttft is None or ttft < outcome.latency.ttft:
+                outcome.latency = dataclasses.replace(outcome.latency, ttft=ttft)
+        else:
+            gap = (now - choice.last_token_at) / len(ids)
+            outcome.inter_token_latencies.extend([gap] * len(ids))
+        choice.last_token_at = now
+        choice.token_ids.extend(ids)
+
+    def _finish(self, job: Job, index: int, out: RequestOutput, outcome: Outcome, now: float) -> str:
+        choice = self._choices[index]
+        choice.finished = True
+        if out.finish_reason == FinishReason.ERROR:
+            outcome.canary.append(NONFINITE_LOGITS)
+            raise internal(f"generation failed for choice {index}: {out.error or 'engine error'}")
+        latency = outcome.latency
+        if index == 0:
+            tl = out.timeline
+            latency = LatencyBreakdown.from_timestamps(
+                tl.arrival, tl.first_scheduled, tl.first_token, tl.finished
+            )
+        # ttft and e2e are what the client sees: first token of any choice, last token of all.
+        outcome.latency = dataclasses.replace(latency, ttft=outcome.latency.ttft, e2e=now - job.arrival)
+        if DEGENERATE_REPETITION not in outcome.canary and is_degenerate_repetition(choice.token_ids):
+            outcome.canary.append(DEGENERATE_REPETITION)
+        return _FINISH.get(out.finish_reason or FinishReason.STOP, "stop")
+
+    def _entries(self, logprobs: list[TokenLogprob]) -> list[LogprobEntry]:
+        return [self._entry(lp) for lp in logprobs]
+
+    def _entry(self, lp: TokenLogprob) -> LogprobEntry:
+        return LogprobEntry(self._piece(lp.token_id), lp.logprob, [(self._piece(t), v) for t, v in lp.top])
+
+    def _piece(self, token_id: int) -> str:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._pieces[token_id] = piece
+        return piece
+
+
+def _replace(sampling: SamplingParams, **changes: Any) -> SamplingParams:
+    """A copy with `changes`, validated again (e.g. min_tokens above a max_tokens cut to the context)."""
+    try:
+        return dataclasses.replace(sampling, **changes)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def _as_api_error(exc: BaseException) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ValueError):  # EngineInputError: the request itself is unservable
+        return bad_request(str(exc))
+    return internal(f"engine failure: {exc!r}")

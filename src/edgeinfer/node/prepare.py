@@ -1,0 +1,232 @@
+"""API request bodies → `Job`s, enforcing the server's per-request limits (400 with a clear message)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from edgeinfer.node.config import NodeLimits
+from edgeinfer.node.errors import bad_request
+from edgeinfer.node.jobs import CHAT, COMPLETION, Job
+from edgeinfer.node.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    WorkersAIRunRequest,
+)
+from edgeinfer.types import SamplingParams
+
+OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+def completion_job(body: CompletionRequest, raw: dict[str, Any], limits: NodeLimits) -> Job:
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    prompts = _prompts(body.prompt)
+    _check_logprobs(body.logprobs, limits, "logprobs")
+    max_tokens = body.max_tokens or OPENAI_DEFAULT_COMPLETION_TOKENS
+    return Job(
+        request_id=_new_id("cmpl"),
+        endpoint="completions",
+        kind=COMPLETION,
+        model=body.model,
+        sampling=_sampling(body, limits, max_tokens, body.logprobs),
+        max_tokens=max_tokens,
+        max_tokens_explicit=body.max_tokens is not None,
+        arrival=time.monotonic(),
+        prompts=prompts,
+        n=_n(body, limits, len(prompts)),
+        echo=body.echo,
+        logprobs=body.logprobs,
+        stream=body.stream,
+        include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+        reject_if_busy=_reject_if_busy(body),
+        upstream_path="/v1/completions",
+        upstream_body=raw,
+    )
+
+
+def chat_job(body: ChatCompletionRequest, raw: dict[str, Any], limits: NodeLimits) -> Job:
+    if body.tools:
+        raise bad_request("tools are not supported by this server", "tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format type 'text' is supported", "response_format")
+    logprobs = None
+    if body.logprobs:
+        logprobs = body.top_logprobs or 0
+        _check_logprobs(logprobs, limits, "top_logprobs")
+    elif body.top_logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return Job(
+        request_id=_new_id("chatcmpl"),
+        endpoint="chat.completions",
+        kind=CHAT,
+        model=body.model,
+        sampling=_sampling(body, limits, max_tokens or limits.max_tokens, logprobs),
+        max_tokens=max_tokens,
+        max_tokens_explicit=max_tokens is not None,
+        arrival=time.monotonic(),
+        messages=_messages(body.messages),
+        n=_n(body, limits, 1),
+        logprobs=logprobs,
+        stream=body.stream,
+        include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+        reject_if_busy=_reject_if_busy(body),
+        upstream_path="/v1/chat/completions",
+        upstream_body=raw,
+    )
+
+
+def workers_ai_job(model: str, body: WorkersAIRunRequest, limits: NodeLimits) -> Job:
+    """`prompt` is wrapped as one user message in the chat template unless `raw` is true."""
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("send exactly one of `prompt` or `messages`")
+    max_tokens = body.max_tokens or limits.workers_ai_default_max_tokens
+    if body.max_tokens is not None and body.max_tokens > limits.max_tokens:
+        raise bad_request(f"max_tokens must be <= {limits.max_tokens}", "max_tokens")
+    sampling = _workers_ai_sampling(body, max_tokens)
+    job = Job(
+        request_id=_new_id("wai"),
+        endpoint="ai.run",
+        kind=CHAT,
+        model=model,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        max_tokens_explicit=body.max_tokens is not None,
+        arrival=time.monotonic(),
+        stream=body.stream,
+        include_usage=True,
+        reject_if_busy=bool(body.options and body.options.reject_if_busy),
+    )
+    fields = _openai_fields(body, max_tokens)
+    if body.prompt is not None and body.raw:
+        job.kind, job.prompts = COMPLETION, [body.prompt]
+        job.upstream_path, job.upstream_body = "/v1/completions", {**fields, "prompt": body.prompt}
+    else:
+        messages = (
+            _messages(body.messages)
+            if body.messages is not None
+            else [{"role": "user", "content": body.prompt}]
+        )
+        job.messages = messages
+        job.upstream_path, job.upstream_body = "/v1/chat/completions", {**fields, "messages": messages}
+    return job
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # one prompt given as token ids
+    return list(prompt)
+
+
+def _messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
+            content = "".join(part.text or "" for part in content)
+        role = "system" if message.role == "developer" else message.role
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def _n(body: SamplingFields, limits: NodeLimits, num_prompts: int) -> int:
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of must equal n (this server returns every sampled choice)", "best_of")
+    if body.n * num_prompts > limits.max_n:
+        raise bad_request(f"n × prompts must be <= {limits.max_n}", "n")
+    return body.n
+
+
+def _check_logprobs(value: int | None, limits: NodeLimits, param: str) -> None:
+    if value is not None and value > limits.max_top_logprobs:
+        raise bad_request(f"{param} must be <= {limits.max_top_logprobs}", param)
+
+
+def _stops(stop: str | list[str] | None, limits: NodeLimits) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > limits.max_stop:
+        raise bad_request(f"at most {limits.max_stop} stop sequences are allowed", "stop")
+    if any(not s for s in stops):
+        raise bad_request("stop sequences must be non-empty strings", "stop")
+    return stops
+
+
+def _reject_if_busy(body: SamplingFields) -> bool:
+    return bool(body.options and body.options.reject_if_busy)
+
+
+def _sampling(
+    body: SamplingFields, limits: NodeLimits, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if max_tokens > limits.max_tokens:
+        raise bad_request(f"max_tokens must be <= {limits.max_tokens}", "max_tokens")
+    return _params(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_k=body.top_k or 0,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        seed=body.seed,
+        stop=_stops(body.stop, limits),
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+
+
+def _workers_ai_sampling(body: WorkersAIRunRequest, max_tokens: int) -> SamplingParams:
+    # Workers AI documents temperature 0.6 as the text-generation default.
+    return _params(
+        max_tokens=max_tokens,
+        temperature=0.6 if body.temperature is None else body.temperature,
+        top_k=body.top_k or 0,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        seed=body.seed,
+    )
+
+
+def _params(**kwargs: Any) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:  # SamplingParams names the field in its message
+        raise bad_request(str(exc)) from None
+
+
+def _openai_fields(body: WorkersAIRunRequest, max_tokens: int) -> dict[str, Any]:
+    """The sampling fields of a Workers-AI body, spelled for an upstream OpenAI-compatible server."""
+    names = (
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    )
+    fields: dict[str, Any] = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+    fields["max_tokens"] = max_tokens
+    return fields

@@ -1,0 +1,256 @@
+"""The request pipeline shared by every inference route:
+authenticate → resolve model → admit (rate limits) → lease a pool member (loading it) → check the
+queue → prepare (tokenize, limits, token reservation) → run → respond or stream → meter and observe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+
+from edgeinfer.node.config import NodeLimits
+from edgeinfer.node.disconnect import ClientDisconnected, until_disconnect
+from edgeinfer.node.errors import (
+    ApiError,
+    bad_request,
+    busy,
+    internal,
+    model_not_found,
+    rate_limited,
+    unavailable,
+    upstream_failed,
+)
+from edgeinfer.node.jobs import Backend, ChoiceDelta, Job
+from edgeinfer.node.local_backend import LocalBackend
+from edgeinfer.node.metering import UsageStore
+from edgeinfer.node.prices import PriceTable
+from edgeinfer.node.ratelimit import Admission, RateLimiter, RateLimitExceeded
+from edgeinfer.node.render import DONE, Collected, Renderer, sse
+from edgeinfer.node.run import STATUS_CLIENT_CLOSED, RequestRun
+from edgeinfer.node.sse_response import SSEResponse
+from edgeinfer.node.tenants import Tenant, TenantRegistry
+from edgeinfer.node.upstream_backend import UpstreamBackend
+from edgeinfer.obs.metrics import NodeMetrics
+from edgeinfer.pool.manager import Lease, ModelPool, PoolCapacityError, UnknownModelError
+from edgeinfer.pool.member import LocalMember, PoolMember
+from edgeinfer.pool.upstream import UpstreamError, UpstreamMember
+
+logger = logging.getLogger("edgeinfer.node")
+
+
+class NodeService:
+    def __init__(
+        self,
+        limits: NodeLimits,
+        pool: ModelPool,
+        tenants: TenantRegistry,
+        limiter: RateLimiter,
+        store: UsageStore,
+        prices: PriceTable,
+        metrics: NodeMetrics,
+    ) -> None:
+        self.limits = limits
+        self.pool = pool
+        self.tenants = tenants
+        self.limiter = limiter
+        self.store = store
+        self.prices = prices
+        self.metrics = metrics
+
+    async def execute(
+        self, request: Request, tenant: Tenant, job: Job, renderer_cls: type[Renderer]
+    ) -> Response:
+        access = request.state.access
+        access.update(request_id=job.request_id, tenant=tenant.name, endpoint=job.endpoint, stream=job.stream)
+        model = self._resolve(job.model)
+        access["model"] = model
+        headers = {"x-request-id": job.request_id}
+        if affinity := request.headers.get("x-session-affinity"):
+            headers["x-session-affinity"] = access["session_affinity"] = affinity
+        run, backend = await self._start(job, tenant, model, access)
+        renderer = renderer_cls(job, backend.version)
+        if job.stream:
+            return await self._stream(request, run, backend, renderer, headers)
+        return await self._respond(request, run, backend, renderer, headers)
+
+    def _resolve(self, name: str) -> str:
+        try:
+            return self.pool.resolve(name)
+        except UnknownModelError as exc:
+            raise model_not_found(str(exc)) from None
+
+    async def _start(
+        self, job: Job, tenant: Tenant, model: str, access: dict[str, Any]
+    ) -> tuple[RequestRun, Backend]:
+        admission = _admit(self.limiter, tenant)
+        try:
+            self._check_load_queue(model, job)
+            lease = await self._acquire(model)
+        except BaseException:
+            admission.cancel()
+            raise
+        run = RequestRun(job, tenant, model, admission, lease, self.metrics, self.store, self.prices, access)
+        try:
+            backend = self._backend(lease, tenant)
+            await self._check_engine_queue(model, job, backend)
+            tokens = backend.prepare(job)
+            try:
+                admission.reserve_tokens(tokens)
+            except RateLimitExceeded as exc:
+                raise _limit_error(exc) from None
+        except ApiError as exc:
+            run.finish(exc.status)
+            raise
+        except BaseException:
+            run.finish(500)
+            raise
+        return run, backend
+
+    def _check_load_queue(self, model: str, job: Job) -> None:
+        if job.reject_if_busy and not self.pool.is_resident(model):
+            self.pool.prefetch(model)  # so that a retry finds it warm
+            raise busy(f"model {model} is not loaded yet (rejectIfBusy); it is loading now, retry shortly")
+        if self.pool.waiting_for_load(model) >= self.limits.max_queue_depth:
+            raise busy(f"model {model} has {self.limits.max_queue_depth} requests waiting for it to load")
+
+    async def _check_engine_queue(self, model: str, job: Job, backend: Backend) -> None:
+        waiting, is_busy = await asyncio.to_thread(backend.queue_state)
+        if waiting >= self.limits.max_queue_depth:
+            raise busy(f"model {model} queue is full ({self.limits.max_queue_depth} requests waiting)")
+        if job.reject_if_busy and is_busy:
+            raise busy(f"model {model} is busy and the request asked not to wait (rejectIfBusy)")
+
+    async def _acquire(self, model: str) -> Lease:
+        try:
+            return await self.pool.acquire(model)
+        except PoolCapacityError as exc:
+            raise unavailable(str(exc)) from None
+        except UpstreamError as exc:
+            raise upstream_failed(exc.status, exc.message) from None
+        except (ValueError, OSError) as exc:  # a checkpoint that cannot be read or built
+            logger.exception("loading model %s failed", model)
+            raise internal(f"model {model} failed to load: {exc}") from None
+
+    def _backend(self, lease: Lease, tenant: Tenant) -> Backend:
+        member: PoolMember = lease.member
+        if isinstance(member, LocalMember):
+            return LocalBackend(member, self.limits, tenant.name, tenant.cache_namespace)
+        if isinstance(member, UpstreamMember):
+            return UpstreamBackend(member, self.limits)
+        raise internal(f"no backend for pool member kind {member.kind!r}")
+
+    async def _respond(
+        self, request: Request, run: RequestRun, backend: Backend, renderer: Renderer, headers: dict[str, str]
+    ) -> Response:
+        collected = Collected()
+        status = 500
+        run.started = True
+        try:
+            await until_disconnect(request, _collect(backend.run(run.job, run.outcome), collected))
+            status = 200
+        except ApiError as exc:
+            status = exc.status
+            raise
+        except ClientDisconnected:
+            status = STATUS_CLIENT_CLOSED
+            return Response(status_code=STATUS_CLIENT_CLOSED)
+        finally:
+            run.finish(status)
+        headers["x-edgeinfer-timing"] = run.outcome.latency.header_value()
+        return JSONResponse(renderer.response(collected, run.outcome.usage), headers=headers)
+
+    async def _stream(
+        self, request: Request, run: RequestRun, backend: Backend, renderer: Renderer, headers: dict[str, str]
+    ) -> Response:
+        deltas = backend.run(run.job, run.outcome)
+        run.started = True
+        # Wait for the first delta before answering, so errors found by the engine on admission
+        # (context too long, ...) still get a proper HTTP status instead of an event mid-stream.
+        try:
+            first = await until_disconnect(request, _first(deltas))
+        except BaseException as exc:
+            await deltas.aclose()
+            run.finish(_status_of(exc))
+            if isinstance(exc, ClientDisconnected):
+                return Response(status_code=STATUS_CLIENT_CLOSED)
+            raise
+        return SSEResponse(_events(run, renderer, first, deltas), headers=headers)
+
+    async def usage(self, tenant: Tenant, start: float | None, end: float | None) -> dict[str, Any]:
+        """The tenant's usage per model (everything appended so far is flushed first)."""
+        await asyncio.to_thread(self.store.flush)
+        rows = await asyncio.to_thread(self.store.summary, tenant.name, start, end)
+        keys = ("requests", "input_tokens", "cached_input_tokens", "output_tokens", "cost_units")
+        total = {key: sum(row[key] for row in rows) for key in keys}
+        return {
+            "object": "usage",
+            "tenant": tenant.name,
+            "start": start,
+            "end": end,
+            "data": rows,
+            "total": total,
+        }
+
+
+def _admit(limiter: RateLimiter, tenant: Tenant) -> Admission:
+    try:
+        return limiter.admit(tenant)
+    except RateLimitExceeded as exc:
+        raise _limit_error(exc) from None
+
+
+def _limit_error(exc: RateLimitExceeded) -> ApiError:
+    # A request that can never fit the window is the client's to fix, not to retry.
+    return bad_request(exc.message) if exc.retry_after is None else rate_limited(exc.message, exc.retry_after)
+
+
+def _status_of(exc: BaseException) -> int:
+    if isinstance(exc, ApiError):
+        return exc.status
+    if isinstance(exc, ClientDisconnected | asyncio.CancelledError):
+        return STATUS_CLIENT_CLOSED
+    return 500
+
+
+async def _collect(deltas: AsyncIterator[ChoiceDelta], collected: Collected) -> None:
+    async for delta in deltas:
+        collected.add(delta)
+
+
+async def _first(deltas: AsyncGenerator[ChoiceDelta, None]) -> ChoiceDelta | None:
+    return await anext(deltas, None)
+
+
+async def _events(
+    run: RequestRun, renderer: Renderer, first: ChoiceDelta | None, deltas: AsyncGenerator[ChoiceDelta, None]
+) -> AsyncGenerator[bytes, None]:
+    """The SSE body. Until it completes the status is 499: a closed connection ends it via cancellation."""
+    status = STATUS_CLIENT_CLOSED
+    try:
+        if first is not None:
+            yield sse(renderer.chunk(first))
+        async for delta in deltas:
+            yield sse(renderer.chunk(delta))
+        for chunk in renderer.final_chunks(run.outcome.usage):
+            yield sse(chunk)
+        yield DONE
+        status = 200
+    except ApiError as exc:
+        status = exc.status
+        yield sse(renderer.error_event(exc))
+        yield DONE
+    except Exception as exc:
+        logger.exception("stream %s failed", run.job.request_id)
+        status = 500
+        yield sse(renderer.error_event(internal(f"stream failed: {exc!r}")))
+        yield DONE
+    finally:
+        try:
+            await deltas.aclose()
+        finally:
+            run.finish(status)

@@ -1,0 +1,150 @@
+"""Runs jobs on an upstream OpenAI-compatible server: token counts come from the upstream's usage."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from edgeinfer.node.config import NodeLimits
+from edgeinfer.node.errors import upstream_failed
+from edgeinfer.node.jobs import CHAT, Backend, ChoiceDelta, Job, LogprobEntry, Outcome
+from edgeinfer.obs.timing import LatencyBreakdown
+from edgeinfer.pool.upstream import UpstreamError, UpstreamMember
+from edgeinfer.types import Usage
+
+# Without the upstream's tokenizer, the tokens/min reservation estimates ~4 characters per token;
+# the reservation is settled to the upstream's real usage when the request ends.
+CHARS_PER_TOKEN = 4
+_OUR_FIELDS = ("options",)
+
+
+class UpstreamBackend(Backend):
+    def __init__(self, member: UpstreamMember, limits: NodeLimits) -> None:
+        self._member = member
+        self._limits = limits
+        self._prompt_estimate = 0
+        self.version = member.version
+
+    def queue_state(self) -> tuple[int, bool]:
+        return 0, False  # the upstream queues on its own; the node cannot see its queue
+
+    def prepare(self, job: Job) -> int:
+        if job.kind == CHAT:
+            chars = sum(len(m.get("content") or "") for m in job.messages)
+            self._prompt_estimate = chars // CHARS_PER_TOKEN + 4 * len(job.messages)
+        else:
+            self._prompt_estimate = sum(
+                len(p) // CHARS_PER_TOKEN + 1 if isinstance(p, str) else len(p) for p in job.prompts
+            )
+        return self._prompt_estimate + job.num_choices * (job.max_tokens or self._limits.max_tokens)
+
+    async def run(self, job: Job, outcome: Outcome) -> AsyncGenerator[ChoiceDelta, None]:
+        outcome.version = self.version
+        body = {k: v for k, v in job.upstream_body.items() if k not in _OUR_FIELDS}
+        try:
+            if job.stream:
+                body.update(stream=True, stream_options={"include_usage": True})
+                # aclosing: a client that leaves closes the upstream response at once (so the upstream
+                # aborts too), not whenever the garbage collector finalizes the generators.
+                async with contextlib.aclosing(self._stream(job, body, outcome)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+            else:
+                body.update(stream=False)
+                body.pop("stream_options", None)
+                for delta in await self._complete(job, body, outcome):
+                    yield delta
+        except UpstreamError as exc:
+            raise upstream_failed(exc.status, exc.message) from exc
+
+    async def _complete(self, job: Job, body: dict[str, Any], outcome: Outcome) -> list[ChoiceDelta]:
+        data = await self._member.post_json(job.upstream_path, body)
+        elapsed = time.monotonic() - job.arrival
+        outcome.latency = LatencyBreakdown(ttft=elapsed, e2e=elapsed)
+        outcome.usage = _usage(data.get("usage"))
+        deltas = []
+        for choice in data.get("choices") or []:
+            text = choice.get("text") if job.kind != CHAT else (choice.get("message") or {}).get("content")
+            deltas.append(
+                ChoiceDelta(
+                    index=int(choice.get("index", 0)),
+                    text=text or "",
+                    logprobs=_logprobs(choice.get("logprobs"), job.kind),
+                    finish_reason=choice.get("finish_reason") or "stop",
+                )
+            )
+        return deltas
+
+    async def _stream(self, job: Job, body: dict[str, Any], outcome: Outcome) -> AsyncIterator[ChoiceDelta]:
+        last: float | None = None
+        ttft = None
+        chunks = 0
+        try:
+            async with contextlib.aclosing(self._member.stream(job.upstream_path, body)) as events:
+                async for event in events:
+                    if event.get("usage"):
+                        outcome.usage = _usage(event["usage"])
+                    for choice in event.get("choices") or []:
+                        delta = _stream_delta(choice, job.kind)
+                        if delta is None:
+                            continue
+                        now = time.monotonic()
+                        if delta.text:
+                            # One streamed chunk is one token for OpenAI-compatible servers.
+                            chunks += 1
+                            if last is None:
+                                ttft = now - job.arrival
+                            else:
+                                outcome.inter_token_latencies.append(now - last)
+                            last = now
+                        yield delta
+        finally:
+            outcome.latency = LatencyBreakdown(ttft=ttft, e2e=time.monotonic() - job.arrival)
+            if outcome.usage.total_tokens == 0 and chunks:
+                # Cut short before the upstream's usage event: bill our estimate of what it did.
+                outcome.usage = Usage(prompt_tokens=self._prompt_estimate, completion_tokens=chunks)
+
+
+def _stream_delta(choice: dict[str, Any], kind: str) -> ChoiceDelta | None:
+    text = choice.get("text") if kind != CHAT else (choice.get("delta") or {}).get("content")
+    logprobs = _logprobs(choice.get("logprobs"), kind)
+    finish = choice.get("finish_reason")
+    if not text and not logprobs and not finish:
+        return None  # e.g. the role-only first chunk of a chat stream
+    return ChoiceDelta(int(choice.get("index", 0)), text or "", logprobs, finish)
+
+
+def _usage(raw: Any) -> Usage:
+    if not isinstance(raw, dict):
+        return Usage()
+    details = raw.get("prompt_tokens_details") or {}
+    return Usage(
+        prompt_tokens=int(raw.get("prompt_tokens") or 0),
+        completion_tokens=int(raw.get("completion_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+    )
+
+
+def _logprobs(raw: Any, kind: str) -> list[LogprobEntry] | None:
+    """Chat `{"content": [{token, logprob, top_logprobs}]}` or completions `{tokens, token_logprobs,
+    top_logprobs}` into our entries."""
+    if not isinstance(raw, dict):
+        return None
+    if kind == CHAT:
+        return [
+            LogprobEntry(
+                item.get("token", ""),
+                item.get("logprob"),
+                [(alt.get("token", ""), alt.get("logprob", 0.0)) for alt in item.get("top_logprobs") or []],
+            )
+            for item in raw.get("content") or []
+        ]
+    tokens = raw.get("tokens") or []
+    values = raw.get("token_logprobs") or [None] * len(tokens)
+    tops = raw.get("top_logprobs") or [None] * len(tokens)
+    return [
+        LogprobEntry(token, value, list(top.items()) if isinstance(top, dict) else None)
+        for token, value, top in zip(tokens, values, tops, strict=False)
+    ]

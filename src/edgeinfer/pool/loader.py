@@ -1,0 +1,94 @@
+"""Turns a `MemberSpec` into a live pool member, and guesses its memory before loading."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgeinfer.pool.member import LocalMember, PoolMember
+from edgeinfer.pool.spec import LOCAL, MemberSpec
+from edgeinfer.pool.upstream import UpstreamMember
+
+if TYPE_CHECKING:
+    from edgeinfer.engine.config import EngineConfig
+
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
+
+
+class MemberLoader(abc.ABC):
+    """Loads members for the pool. `estimate_bytes` may be rough: the pool corrects it after the load."""
+
+    @abc.abstractmethod
+    def estimate_bytes(self, spec: MemberSpec) -> int: ...
+
+    @abc.abstractmethod
+    async def load(self, spec: MemberSpec) -> PoolMember: ...
+
+
+class EngineLoader(MemberLoader):
+    """Local members become `AsyncLLMEngine`s built from `engine_config` with the spec's checkpoint."""
+
+    def __init__(self, engine_config: EngineConfig, upstream_timeout_s: float = 300.0) -> None:
+        self._engine_config = engine_config
+        self._upstream_timeout_s = upstream_timeout_s
+
+    def estimate_bytes(self, spec: MemberSpec) -> int:
+        """Weight files on disk plus the KV budget. Quantized files that the engine dequantizes load
+        larger than this; the pool learns the true size after the first load."""
+        if spec.kind != LOCAL:
+            return 0
+        return checkpoint_bytes(resolve_checkpoint_path(spec.target)) + self._kv_bytes()
+
+    async def load(self, spec: MemberSpec) -> PoolMember:
+        if spec.kind != LOCAL:
+            return await UpstreamMember.connect(spec.name, spec.target, self._upstream_timeout_s)
+        from edgeinfer.engine.async_engine import AsyncLLMEngine
+
+        config = dataclasses.replace(self._engine_config, model=spec.target)
+        # from_config blocks for seconds (reading weights); a worker thread keeps the event loop serving.
+        engine = await asyncio.to_thread(AsyncLLMEngine.from_config, config)
+        version = checkpoint_version(resolve_checkpoint_path(spec.target), config.quantization)
+        return LocalMember(spec.name, engine, version, config.max_num_seqs)
+
+    def _kv_bytes(self) -> int:
+        return int(self._engine_config.kv_cache_memory_bytes)
+
+
+def resolve_checkpoint_path(target: str) -> Path | None:
+    """A filesystem path as given, or the file a model name (like `gemma-3-270m`) resolves to."""
+    path = Path(target)
+    if path.exists():
+        return path
+    try:
+        from edgeinfer.engine.model.loader import open_checkpoint
+
+        return Path(open_checkpoint(target).path)
+    except (ImportError, ValueError, OSError):
+        return None
+
+
+def checkpoint_bytes(path: Path | None) -> int:
+    """Bytes of weight files at `path` (a file or a checkpoint directory)."""
+    return sum(f.stat().st_size for f in _weight_files(path))
+
+
+def checkpoint_version(path: Path | None, quantization: str | None) -> str:
+    """A short fingerprint of the weights served: names, sizes and mtimes of the weight files, and the
+    quantization applied at load. Changes when a model is replaced in place, so canaries split by it."""
+    digest = hashlib.sha256(str(quantization).encode())
+    for f in _weight_files(path):
+        stat = f.stat()
+        digest.update(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:12]
+
+
+def _weight_files(path: Path | None) -> list[Path]:
+    if path is None or not path.exists():
+        return []
+    if path.is_file():
+        return [path]
+    return sorted(f for f in path.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)

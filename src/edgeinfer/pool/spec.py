@@ -1,0 +1,92 @@
+"""What can be in the pool: local checkpoints and external OpenAI-compatible engines."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+LOCAL = "local"
+UPSTREAM = "upstream"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+@dataclass(frozen=True)
+class MemberSpec:
+    """One model the pool can serve under `name` (and its `aliases`).
+
+    `target` is a checkpoint path or model name for local members and a base URL for upstream ones.
+    A pinned member is never evicted; upstream members hold no local memory and are never evicted.
+    """
+
+    name: str
+    kind: str
+    target: str
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+    pinned: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name != self.name.strip():
+            raise ValueError(f"model name {self.name!r} must be non-empty without surrounding spaces")
+        if self.kind not in (LOCAL, UPSTREAM):
+            raise ValueError(f"unknown pool member kind {self.kind!r} (local, upstream)")
+        if self.kind == UPSTREAM and not self.target.startswith(("http://", "https://")):
+            raise ValueError(f"upstream {self.name!r} needs an http(s) URL, got {self.target!r}")
+
+
+def parse_model_arg(value: str) -> MemberSpec:
+    """`NAME=PATH` (names may contain slashes) or a bare `PATH_OR_NAME` used as both."""
+    name, sep, target = value.partition("=")
+    if not sep:
+        return MemberSpec(name=value, kind=LOCAL, target=value)
+    if not name or not target:
+        raise ValueError(f"--model expects NAME=PATH, got {value!r}")
+    return MemberSpec(name=name, kind=LOCAL, target=target)
+
+
+def parse_upstream_arg(value: str) -> MemberSpec:
+    """`NAME=URL` of an OpenAI-compatible server (SGLang, vLLM, llama.cpp, another edgeinfer)."""
+    name, sep, url = value.partition("=")
+    if not sep or not name or not url:
+        raise ValueError(f"--upstream expects NAME=URL, got {value!r}")
+    return MemberSpec(name=name, kind=UPSTREAM, target=url)
+
+
+def parse_alias_arg(value: str) -> tuple[str, str]:
+    """`ALIAS=NAME` → (alias, name)."""
+    alias, sep, name = value.partition("=")
+    if not sep or not alias or not name:
+        raise ValueError(f"--alias expects ALIAS=NAME, got {value!r}")
+    return alias, name
+
+
+def parse_bytes(value: str | int) -> int:
+    """`2GiB`, `512MiB`, `1.5GB`, `1000000` → bytes (binary units are powers of 1024, decimal of 1000)."""
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"a memory size must be > 0, got {value}")
+        return value
+    match = _SIZE.match(value)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"cannot read memory size {value!r} (examples: 2GiB, 512MiB, 1.5GB, 1000000)")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"a memory size must be > 0, got {value!r}")
+    return size

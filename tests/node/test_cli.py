@@ -1,0 +1,58 @@
+"""`edgeinfer serve` arguments → node config and pool members."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from edgeinfer.node.cli import add_arguments, build_config, build_specs
+from edgeinfer.node.config import NodeLimits
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_default_model_and_its_workers_ai_alias() -> None:
+    (spec,) = build_specs(_parse())
+    assert (spec.name, spec.kind, spec.target) == ("gemma-3-270m", "local", "gemma-3-270m")
+    assert spec.aliases == ("@cf/google/gemma-3-270m",)
+
+
+def test_models_upstreams_aliases_pins_and_limits() -> None:
+    args = _parse(
+        "--model",
+        "@cf/meta/tiny=/models/tiny",
+        "--upstream",
+        "big=http://10.0.0.2:8000/v1",
+        "--alias",
+        "small=@cf/meta/tiny",
+        "--pin",
+        "@cf/meta/tiny",
+        "--preload",
+        "--max-n",
+        "4",
+        "--tenants",
+        "keys.toml",
+    )
+    specs = {s.name: s for s in build_specs(args)}
+    assert specs["@cf/meta/tiny"].pinned and specs["@cf/meta/tiny"].aliases == ("small",)
+    assert specs["big"].kind == "upstream" and not specs["big"].pinned
+    config = build_config(args)
+    assert config.preload == ("@cf/meta/tiny",)  # bare --preload: every local model
+    assert config.limits.max_n == 4 and config.tenants_file == "keys.toml"
+
+
+def test_every_limit_has_a_flag() -> None:
+    args = _parse()
+    assert build_config(args).limits == NodeLimits()
+
+
+def test_unknown_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown model"):
+        build_specs(_parse("--model", "a=/x", "--pin", "b"))
+    with pytest.raises(ValueError, match="limit max_n"):
+        build_config(_parse("--max-n", "0"))
