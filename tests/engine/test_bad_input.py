@@ -76,9 +76,9 @@ def test_nan_request_fails_alone_and_leaves_no_poison(tiny_llama, tmp_path):
     reuse its freed blocks, produce exactly what a clean engine produces."""
     import math
 
+    from engine.conftest import make_engine
     from safetensors.torch import load_file, save_file
 
-    from engine.conftest import make_engine
     from edgeinfer.types import FinishReason
 
     poisoned = tmp_path / "poisoned"
