@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up, start the node server on the default model (Gemma 3 270M), answer one chat request with curl,
+# Set up, start the node server on the default model (Gemma 3 270M), answer one request with curl,
 # then keep serving on http://127.0.0.1:${PORT:-8000} until Ctrl-C (DEMO_ONCE=1: stop after the request).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,10 +13,9 @@ for _ in $(seq 1 300); do
   kill -0 $SERVER 2>/dev/null || { echo "server exited" >&2; exit 1; }
   sleep 1
 done
-curl -sf "http://127.0.0.1:$PORT/v1/chat/completions" -H 'content-type: application/json' -d '{
-  "model": "gemma-3-270m",
-  "messages": [{"role": "user", "content": "Name three uses of a paged KV cache."}],
-  "max_tokens": 64, "temperature": 0
+# Gemma 3 270M is a base (not instruction-tuned) model: it continues text best.
+curl -sf "http://127.0.0.1:$PORT/v1/completions" -H 'content-type: application/json' -d '{
+  "model": "gemma-3-270m", "prompt": "The three primary colors are", "max_tokens": 32, "temperature": 0
 }'
 echo
 [ "${DEMO_ONCE:-0}" = 1 ] && exit 0
