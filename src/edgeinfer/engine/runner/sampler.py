@@ -45,7 +45,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleResult:
         result = SampleResult()
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        # One reduction per row: any NaN or ±Inf makes the row sum non-finite (fp32 logits cannot overflow it).
+        finite = torch.isfinite(logits.sum(dim=-1)).tolist()
         for ok, c in zip(finite, chunks, strict=True):
             if not ok:
                 result.errors[c.request_id] = "the model produced NaN or Inf logits"
