@@ -45,7 +45,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleResult:
         result = SampleResult()
-        # One reduction per row: any NaN or ±Inf makes the row sum non-finite (fp32 logits cannot overflow it).
+        # One reduction per row: any NaN or ±Inf makes the row sum non-finite (fp32 logits cannot reach Inf).
         finite = torch.isfinite(logits.sum(dim=-1)).tolist()
         for ok, c in zip(finite, chunks, strict=True):
             if not ok:
