@@ -148,3 +148,30 @@ def test_nan_logits_fail_only_that_request():
 def test_bad_sampling_values_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_padded_vocabulary_rows_are_never_sampled(tiny_llama, tmp_path):
+    """A checkpoint whose embedding has more rows than the tokenizer has tokens: even when the padding
+    rows have the highest logits, sampling stays inside the tokenizer's vocabulary."""
+    import json
+    import shutil
+
+    from engine.conftest import make_engine
+    from safetensors.torch import load_file, save_file
+
+    padded = tmp_path / "padded"
+    shutil.copytree(tiny_llama, padded)
+    cfg = json.loads((padded / "config.json").read_text())
+    extra = 8
+    cfg["vocab_size"] += extra
+    (padded / "config.json").write_text(json.dumps(cfg))
+    weights = next(padded.glob("*.safetensors"))
+    t = load_file(weights)
+    t["model.embed_tokens.weight"] = torch.cat([t["model.embed_tokens.weight"], torch.zeros(extra, 64)])
+    t["lm_head.weight"] = torch.cat([t["lm_head.weight"], torch.full((extra, 64), 5.0)])  # padding wins
+    save_file(t, weights, metadata={"format": "pt"})
+    eng = make_engine(str(padded))
+    limit = eng.tokenizer.vocab_size
+    for sp in (SamplingParams(max_tokens=8, temperature=0.0), SamplingParams(max_tokens=8, seed=1)):
+        (res,) = eng.generate([PROMPT], sp)
+        assert res.token_ids and max(res.token_ids) < limit

@@ -78,7 +78,7 @@ class LLMEngine:
             config.scheduling_policy,
         )
         self.scheduler = Scheduler(sched_cfg, kv, clock)
-        self.runner = ModelRunner(self.model, storage, self.device)
+        self.runner = ModelRunner(self.model, storage, self.device, vocab_limit=self.tokenizer.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         log.info(

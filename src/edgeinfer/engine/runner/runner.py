@@ -24,13 +24,18 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: nn.Module, storage: KVCacheStorage, device: torch.device, backend: str = "torch"
+        self,
+        model: nn.Module,
+        storage: KVCacheStorage,
+        device: torch.device,
+        backend: str = "torch",
+        vocab_limit: int | None = None,
     ) -> None:
         self.model = model
         self.storage = storage
         self.device = device
         self.backend = get_attention_backend(backend, storage)
-        self.sampler = Sampler()
+        self.sampler = Sampler(vocab_limit)
         self.num_steps = 0
 
     @torch.inference_mode()

@@ -36,8 +36,12 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[T
 
 
 class Sampler:
-    def __init__(self) -> None:
+    """`vocab_limit`: ids at and above it are never sampled (checkpoints often pad the embedding matrix
+    beyond the tokenizer's vocabulary; those rows are untrained and have no text)."""
+
+    def __init__(self, vocab_limit: int | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self.vocab_limit = vocab_limit
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -50,6 +54,9 @@ class Sampler:
         for ok, c in zip(finite, chunks, strict=True):
             if not ok:
                 result.errors[c.request_id] = "the model produced NaN or Inf logits"
+        if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
+            logits = logits.clone()
+            logits[:, self.vocab_limit :] = float("-inf")
         raw = logits
         if any(_needs_penalties(c) for c in chunks):  # copy only when logits will be edited
             logits = self._apply_penalties(logits.clone(), chunks)
