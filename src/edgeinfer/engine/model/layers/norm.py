@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32.
+    """RMSNorm computed in fp32 with one fused kernel.
 
     `unit_offset=True` is Gemma's convention: the stored weight is a delta and the scale is `1 + w`,
     applied before casting back (Llama casts first, then multiplies; the difference shows in bf16).
@@ -18,10 +19,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self._scale: tuple[int, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        shape = (x.shape[-1],)
         if self.unit_offset:
-            return (xf * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * xf.type_as(x)
+            return F.rms_norm(x.float(), shape, self._fp32_scale(), self.eps).type_as(x)
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).type_as(x)
+
+    def _fp32_scale(self) -> torch.Tensor:
+        # `1 + w` in fp32, rebuilt only when the weight changes (its version counter moves on load).
+        version = self.weight._version
+        if self._scale is None or self._scale[0] != version:
+            self._scale = (version, 1.0 + self.weight.detach().float())
+        return self._scale[1]

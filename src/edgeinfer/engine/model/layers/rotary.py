@@ -97,28 +97,28 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x of shape [T, heads, head_dim] at `positions` [T]."""
-        cos, sin = self._tables(positions)
+        cos, sin = self._tables(positions, xs[0].dtype)
         return tuple(self._rotate(x, cos, sin) for x in xs)
 
-    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Every layer of a step passes the same positions tensor: gather cos/sin once per step.
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of a step passes the same positions tensor: gather cos/sin once per step, in the
+        # activations' dtype (as HF rotates, so bf16 results match it too).
         cached = self._step_cache
-        if cached is not None and cached[0] is positions:
+        if cached is not None and cached[0] is positions and cached[1].dtype == dtype:
             return cached[1], cached[2]
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         if not self.interleaved:
             cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        cos, sin = cos.to(dtype), sin.to(dtype)
         self._step_cache = (positions, cos, sin)
         return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        xf = rot.float()
         if self.interleaved:
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
             out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         else:
-            x1, x2 = xf.chunk(2, dim=-1)
-            out = xf * cos + torch.cat((-x2, x1), dim=-1) * sin
-        out = out.type_as(x)
+            x1, x2 = rot.chunk(2, dim=-1)
+            out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
         return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
