@@ -22,6 +22,7 @@ class OutputState:
     num_prompt_tokens: int
     text: str = ""  # all output text decoded so far (possibly ahead of what was emitted)
     emitted: int = 0  # characters of `text` already sent
+    stopped_by_string: bool = False
     sent_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
@@ -73,12 +74,15 @@ class OutputProcessor:
             return False
         i, s = min(hits)
         st.text = st.text[: i + len(s)] if st.include_stop else st.text[:i]
+        st.stopped_by_string = True
         return True
 
     def make_output(self, req: Request, now: float, error: str | None = None) -> RequestOutput:
         """The delta since the last output of this request; forgets the request once it finished."""
         st = self.states[req.request_id]
         finished = req.is_finished
+        if finished and not st.stopped_by_string:
+            st.text += st.detok.flush()  # a held-back partial character, as a full decode would show it
         end = len(st.text) if finished else max(st.emitted, len(st.text) - st.holdback)
         delta, st.emitted = st.text[st.emitted : end], end
         new_ids = req.output_token_ids[st.sent_tokens :]
