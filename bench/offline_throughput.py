@@ -117,8 +117,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     ap.add_argument("--naive-requests", type=int, default=4, help="requests for the one-at-a-time baseline")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both systems (default: all)")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     engine = LLMEngine(EngineConfig(dtype="bfloat16", batch_window_ms=0, enable_prefix_caching=False))
     from transformers import AutoModelForCausalLM
@@ -148,7 +151,9 @@ def render(rows: list[Result], args) -> str:
         "### Offline throughput, Gemma 3 270M (bf16)",
         "",
         f"Machine: {machine()}. Command: `.venv/bin/python bench/offline_throughput.py "
-        f"--concurrency {' '.join(map(str, args.concurrency))} --requests {args.requests} --write-docs`. "
+        f"--concurrency {' '.join(map(str, args.concurrency))} --requests {args.requests} "
+        f"--naive-requests {args.naive_requests}{f' --threads {args.threads}' if args.threads else ''} "
+        "--write-docs`. "
         "128-token prompts, output lengths uniform in [16, 256] (seed 0), EOS ignored.",
         "",
         "| system | concurrency | requests | output tokens | output tok/s | mean step ms "
