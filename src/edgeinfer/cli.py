@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("edgeinfer.bench.cli", "benchmark a running OpenAI-compatible server"),
     "quantize": ("edgeinfer.engine.quant.cli", "write a weight-quantized checkpoint"),
     "compress": ("edgeinfer.engine.quant.cli", "write a losslessly compressed BF16 checkpoint"),
-    "eval": ("edgeinfer.engine.quant.eval_cli", "perplexity and divergence against a baseline"),
+    "eval": ("edgeinfer.eval.cli", "perplexity and divergence against a baseline"),
 }
 
 
