@@ -44,9 +44,13 @@ def test_greedy_continuations_match_transformers(gemma_engine, gemma_hf_fp32):
     results = gemma_engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     for ids, res in zip(prompts, results, strict=True):
         with torch.no_grad():
-            ref = gemma_hf_fp32.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16,
-                                         do_sample=False, pad_token_id=0)
-        assert res.token_ids == ref[0, len(ids):].tolist(), (res.text, tok.decode(ref[0, len(ids):].tolist()))
+            ref = gemma_hf_fp32.generate(
+                torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0
+            )
+        assert res.token_ids == ref[0, len(ids) :].tolist(), (
+            res.text,
+            tok.decode(ref[0, len(ids) :].tolist()),
+        )
         assert res.text.strip()
 
 

@@ -133,8 +133,12 @@ class Sampler:
 
 def _needs_penalties(c: ScheduledChunk) -> bool:
     s = c.sampling
-    return (len(c.output_token_ids) < s.min_tokens or s.repetition_penalty != 1.0 or s.presence_penalty != 0.0
-            or s.frequency_penalty != 0.0)
+    return (
+        len(c.output_token_ids) < s.min_tokens
+        or s.repetition_penalty != 1.0
+        or s.presence_penalty != 0.0
+        or s.frequency_penalty != 0.0
+    )
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
