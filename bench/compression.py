@@ -4,7 +4,7 @@ Per combination: weight memory, KV bytes per token, 1,024-token sequences in a 1
 perplexity / KL / top-1 agreement against bf16 weights + bf16 KV (teacher-forced through the paged path,
 `edgeinfer.eval`); decode tok/s at 32 concurrent for a subset; the lossless codec's file size.
 
-    .venv/bin/python bench/compression.py [--tokens 512] [--write-docs] [--json PATH]
+    .venv/bin/python bench/compression.py [--tokens 2048] [--write-docs] [--json PATH]
 """
 
 from __future__ import annotations
@@ -197,9 +197,9 @@ def header(meta: dict, ref_ppl: float, tokens: int, args: argparse.Namespace) ->
         f"whole run {meta['seconds']:.0f} s.",
         f"Command: `.venv/bin/python bench/compression.py --write-docs{_threads_flag(args)}`.",
         "",
-        f"Quality: {tokens} tokens of the {meta['text']}, one window of {args.window} tokens "
-        "after BOS, scored teacher-forced through the paged path against bf16 weights + bf16 KV "
-        f"(perplexity {ref_ppl:.3f}); KL(bf16 ‖ config) over the full 262,144-token vocabulary, "
+        f"Quality: {tokens} tokens of the {meta['text']}, in non-overlapping windows of {args.window} "
+        "tokens each fed after BOS, scored teacher-forced through the paged path against bf16 weights "
+        f"+ bf16 KV (perplexity {ref_ppl:.3f}); KL(bf16 ‖ config) over the full 262,144-token vocabulary, "
         "in nats. int4 weights: groups of 128; the tied embedding / lm_head is quantized with the "
         "rest. Two extra rows show where the error comes from: `int8, lm_head bf16` leaves the "
         "lm_head / embedding unquantized, `int4:32` uses groups of 32.",
@@ -273,7 +273,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--text", default="lee")
-    ap.add_argument("--tokens", type=int, default=512, help="tokens scored per combination")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens scored per combination")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
