@@ -177,7 +177,10 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     threads = torch.get_num_threads()
-    return f"{cpu}, {os.cpu_count()} CPUs, {threads} torch threads for scoring, torch {torch.__version__}"
+    plural = "s" if threads != 1 else ""
+    return (
+        f"{cpu}, {os.cpu_count()} CPUs, {threads} torch thread{plural} for scoring, torch {torch.__version__}"
+    )
 
 
 def _f(x: float | None, fmt: str) -> str:
@@ -207,7 +210,7 @@ def header(meta: dict, ref_ppl: float, tokens: int, args: argparse.Namespace) ->
         f"Decode: {args.concurrency} concurrent requests, {args.prompt_len}-token random prompts, "
         f"{args.new_tokens} new tokens each (EOS ignored); tok/s of the steps after the shared "
         f"prefill step, best of {args.decode_rounds} interleaved rounds after one untimed run, "
-        f"{args.decode_threads} torch thread(s) (two OpenMP threads stall whenever another process "
+        f"torch threads: {args.decode_threads} (two OpenMP threads stall whenever another process "
         "on this shared machine takes a core: 288 → 17 tok/s measured for bf16).",
         "",
         "Reduced to stay near 15 minutes on 2 shared cores: quality on "

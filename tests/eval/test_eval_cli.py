@@ -87,8 +87,14 @@ def test_eval_int8_weights_and_kv_against_the_unquantized_baseline(tiny, tmp_pat
     assert greedy["prompts"] == 2 and all(0 <= n <= 8 for n in greedy["match_lengths"])
 
 
-def test_eval_of_the_baseline_against_itself_is_exact(tiny, tmp_path):
-    report = _eval(tiny, tmp_path, "--quantization", "none")
+def test_eval_of_the_baseline_against_itself_is_exact(tiny, capsys):
+    model, text = tiny
+    argv = ["eval", "--model", model, "--text", text, "--dtype", "float32", "--tokens", "120"]
+    argv += ["--window", "48", "--prefixes", "2", "--prefix-tokens", "8", "--greedy-tokens", "8"]
+    assert main([*argv, "--quantization", "none", "--json", "-"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)  # with `--json -`, stdout is the JSON alone
+    assert "| top-1 agreement |" in out.err
     test = report["test"]
     assert test["kl_mean"] == 0 and test["kl_max"] == 0 and test["top1_agreement"] == 1
     assert test["perplexity"] == report["baseline"]["perplexity"]

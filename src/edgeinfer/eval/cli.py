@@ -50,7 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--greedy-tokens", type=int, default=d.greedy_tokens, help="tokens generated (%(default)s)"
     )
-    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also write the report as JSON ('-': to stdout, the table then to stderr)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,13 +76,15 @@ def run(args: argparse.Namespace) -> int:
         greedy_tokens=args.greedy_tokens,
     )
     report = run_eval(settings)
-    print(report.table())
+    to_stdout = args.json is not None and str(args.json) == "-"
+    # With `--json -` stdout carries only the JSON (for pipes); the table goes to stderr.
+    print(report.table(), file=sys.stderr if to_stdout else sys.stdout)
     if args.json is not None:
-        payload = json.dumps(report.to_dict(), indent=2)
-        if str(args.json) == "-":
-            sys.stdout.write(payload + "\n")
+        payload = json.dumps(report.to_dict(), indent=2) + "\n"
+        if to_stdout:
+            sys.stdout.write(payload)
         else:
-            args.json.write_text(payload + "\n")
+            args.json.write_text(payload)
     return 0
 
 
