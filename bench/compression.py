@@ -38,8 +38,14 @@ from docs_table import replace_section
 
 WEIGHTS = {"bf16": None, "int8": "int8", "int4": "int4", "fp8": "fp8"}  # label → --quantization
 # Quality-only rows (bf16 KV) that locate the error: int8 with the tied lm_head / embedding left in bf16,
-# and int4 with the smallest group size.
-EXTRAS = {"int8, lm_head bf16": ("int8", False), "int4:32": ("int4:32", True)}
+# int4 with the smallest group size, and both methods without activation-aware scaling.
+# label → (--quantization, lm_head_quantization, calibrate)
+EXTRAS = {
+    "int8, lm_head bf16": ("int8", "none", True),
+    "int8, uncalibrated": ("int8", "auto", False),
+    "int4:32": ("int4:32", "auto", True),
+    "int4, uncalibrated": ("int4", "auto", False),
+}
 KV = {"bf16": "auto", "int8": "int8", "fp8": "fp8_e4m3", "int4": "int4"}  # label → --kv-cache-dtype
 DECODE_RUNS = [(w, "bf16") for w in WEIGHTS] + [("bf16", "int8"), ("bf16", "int4")]
 KV_BUDGET = 2**30
@@ -65,14 +71,15 @@ def seqs_in_budget(per_token: int) -> int:
 
 
 def make_engine(model: str, weights: str, kv: str, args: argparse.Namespace) -> LLMEngine:
-    quantization, lm_head = EXTRAS.get(weights, (WEIGHTS.get(weights), True))
+    quantization, lm_head, calibrate = EXTRAS.get(weights, (WEIGHTS.get(weights), "auto", True))
     per_seq = -(-(args.prompt_len + args.new_tokens) // BLOCK)
     return LLMEngine(
         EngineConfig(
             model=model,
             dtype="bfloat16",
             quantization=quantization,
-            quantize_lm_head=lm_head,
+            lm_head_quantization=lm_head,
+            calibrate_quantization=calibrate,
             kv_cache_dtype=KV[kv],
             num_kv_blocks=args.concurrency * per_seq + 8,
             max_num_seqs=args.concurrency,
@@ -203,9 +210,12 @@ def header(meta: dict, ref_ppl: float, tokens: int, args: argparse.Namespace) ->
         f"Quality: {tokens} tokens of the {meta['text']}, in non-overlapping windows of {args.window} "
         "tokens each fed after BOS, scored teacher-forced through the paged path against bf16 weights "
         f"+ bf16 KV (perplexity {ref_ppl:.3f}); KL(bf16 ‖ config) over the full 262,144-token vocabulary, "
-        "in nats. int4 weights: groups of 128; the tied embedding / lm_head is quantized with the "
-        "rest. Two extra rows show where the error comes from: `int8, lm_head bf16` leaves the "
-        "lm_head / embedding unquantized, `int4:32` uses groups of 32.",
+        "in nats. Weights are scaled per input channel before quantizing (activation-aware, searched "
+        "per layer on the package's own calibration text, not the eval text; see docs/quantization.md). "
+        "int4: groups of 128 with the tied embedding / lm_head in int8 (as Q4_K_M keeps it in Q8_0); "
+        "int8 and fp8 quantize the lm_head with their own method. Extra rows locate the error: "
+        "`lm_head bf16` leaves the lm_head / embedding unquantized, `int4:32` uses groups of 32, "
+        "`uncalibrated` skips the input scaling.",
         "",
         f"Decode: {args.concurrency} concurrent requests, {args.prompt_len}-token random prompts, "
         f"{args.new_tokens} new tokens each (EOS ignored); tok/s of the steps after the shared "

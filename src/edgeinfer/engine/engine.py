@@ -15,6 +15,7 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, resolve_dtype
+from edgeinfer.engine.model.compile import compile_decoder_layers
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
 from edgeinfer.engine.runner.runner import ModelRunner
@@ -60,6 +61,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_checkpoint(ckpt)
         dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(ckpt, dtype, self.device, config)
+        if config.compile and not compile_decoder_layers(self.model):
+            log.warning("compile: %s has no dense decoder layers; running eagerly", config.model)
         self.layout: EngineLayout = plan_layout(config, self.model, dtype)
         storage = KVCacheStorage(
             self.model.kv_spec,

@@ -15,8 +15,10 @@ from edgeinfer.engine.model.loader.base import cast_floating
 from edgeinfer.engine.model.registry import build_model
 from edgeinfer.engine.quant.apply import quantize_model
 from edgeinfer.engine.quant.base import WeightMethod, get_weight_method
+from edgeinfer.engine.quant.calibrate import default_calibration_text
 from edgeinfer.engine.quant.checkpoint import QuantizationConfig, apply_quantized_checkpoint
 from edgeinfer.engine.quant.kv import get_kv_quantizer
+from edgeinfer.engine.quant.smoothing import scale_for_quantization
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +71,38 @@ def load_model(
     else:
         model.load_weights(ckpt.iter_tensors(_load_dtype(model, dtype)))
         if config.quantization:
-            quantize_model(
-                model,
-                parse_quantization(config.quantization),
-                quantize_lm_head=config.quantize_lm_head,
-                quantize_embeddings=config.quantize_lm_head,
-            )
+            _quantize_float_model(model, ckpt, config, dtype, device)
     return model.eval().requires_grad_(False)
+
+
+def _quantize_float_model(
+    model: nn.Module, ckpt: Checkpoint, config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> None:
+    method = parse_quantization(config.quantization or "")
+    head = head_method(config.lm_head_quantization, method)
+    if config.calibrate_quantization:
+        from edgeinfer.engine.tokenizer import Tokenizer  # the tokenizer pulls in transformers
+
+        tok = Tokenizer.from_checkpoint(ckpt)
+        ids = tok.encode(default_calibration_text(), add_special_tokens=False)
+        with torch.no_grad():
+            scale_for_quantization(model, method, ids, tok.bos_token_id, dtype, device)
+    quantize_model(
+        model,
+        method,
+        quantize_lm_head=head is not None,
+        quantize_embeddings=head is not None,
+        head_method=head,
+    )
+
+
+def head_method(spec: str, weights: WeightMethod) -> WeightMethod | None:
+    """The lm_head / embedding method for `lm_head_quantization` (see EngineConfig); None keeps float."""
+    if spec == "none":
+        return None
+    if spec == "auto":
+        return get_weight_method("int8") if weights.name == "int4" else weights
+    return parse_quantization(spec)
 
 
 def _load_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:

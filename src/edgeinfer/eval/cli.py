@@ -29,10 +29,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="weights of the reference (default none: the checkpoint dequantized to --dtype)",
     )
     p.add_argument(
-        "--quantize-lm-head",
+        "--lm-head-quantization",
+        default="auto",
+        help="lm_head and embeddings under weight quantization: auto (int8 for int4 weights, else the "
+        "same method), none (float), or a method",
+    )
+    p.add_argument(
+        "--calibrate",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="whether weight quantization covers the lm_head and embeddings too (default yes)",
+        help="activation-aware input scaling before quantizing (default yes)",
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
     p.add_argument(
@@ -65,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         baseline_quantization=args.baseline_quantization,
-        quantize_lm_head=args.quantize_lm_head,
+        lm_head_quantization=args.lm_head_quantization,
+        calibrate=args.calibrate,
         dtype=args.dtype,
         text=args.text,
         tokens=args.tokens,

@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from edgeinfer.engine.attention.oneshot import BLOCK_SIZE
 from edgeinfer.engine.config import DEFAULT_MODEL, EngineConfig
 from edgeinfer.engine.engine import LLMEngine
 from edgeinfer.engine.loading import parse_quantization
@@ -15,7 +16,7 @@ from edgeinfer.engine.tokenizer import Tokenizer
 from edgeinfer.eval.corpus import DEFAULT_TEXT, EvalText, load_text
 from edgeinfer.eval.metrics import greedy_match_length
 from edgeinfer.eval.report import EvalReport, ModelSide
-from edgeinfer.eval.scoring import BLOCK_SIZE, Candidate, compare
+from edgeinfer.eval.scoring import Candidate, compare
 from edgeinfer.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -24,14 +25,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EvalSettings:
     """What `edgeinfer eval` measures. `quantization` / `baseline_quantization`: None is unquantized;
-    `quantize_lm_head`: whether those also cover the (often tied) lm_head and embeddings;
+    `lm_head_quantization` and `calibrate`: as EngineConfig's `lm_head_quantization` and
+    `calibrate_quantization`, for both sides;
     `stride` None is `window // 2`."""
 
     model: str = DEFAULT_MODEL
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     baseline_quantization: str | None = None
-    quantize_lm_head: bool = True
+    lm_head_quantization: str = "auto"
+    calibrate: bool = True
     dtype: str = "bfloat16"
     text: str = DEFAULT_TEXT
     tokens: int = 1024
@@ -73,7 +76,8 @@ def build_engine(settings: EvalSettings, quantization: str | None, kv_cache_dtyp
             model=settings.model,
             dtype=settings.dtype,
             quantization=quantization,
-            quantize_lm_head=settings.quantize_lm_head,
+            lm_head_quantization=settings.lm_head_quantization,
+            calibrate_quantization=settings.calibrate,
             kv_cache_dtype=kv_cache_dtype,
             block_size=BLOCK_SIZE,
             num_kv_blocks=max(1, settings.prefixes) * per_seq + 1,

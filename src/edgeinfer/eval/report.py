@@ -17,7 +17,8 @@ class ModelSide:
     """One side of the comparison: how it was configured and what it costs in memory."""
 
     quantization: str | None
-    quantize_lm_head: bool
+    lm_head_quantization: str
+    calibrated: bool
     kv_cache_dtype: str
     weight_bytes: int
     kv_bytes_per_token: int
@@ -28,7 +29,8 @@ class ModelSide:
         cfg = engine.config
         return cls(
             quantization,
-            cfg.quantize_lm_head,
+            cfg.lm_head_quantization,
+            cfg.calibrate_quantization,
             cfg.kv_cache_dtype,
             layout.weight_bytes,
             layout.kv_bytes_per_token,
@@ -36,10 +38,11 @@ class ModelSide:
 
     @property
     def label(self) -> str:
-        head = (
-            " (lm_head and embeddings unquantized)" if self.quantization and not self.quantize_lm_head else ""
-        )
-        return f"weights {self.quantization or 'unquantized'}{head}, KV {self.kv_cache_dtype}"
+        if not self.quantization:
+            return f"weights unquantized, KV {self.kv_cache_dtype}"
+        head = "" if self.lm_head_quantization == "auto" else f", lm_head {self.lm_head_quantization}"
+        calibrated = "" if self.calibrated else ", uncalibrated"
+        return f"weights {self.quantization}{head}{calibrated}, KV {self.kv_cache_dtype}"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from edgeinfer.engine.attention import AttentionMetadata, KVCacheStorage, get_attention_backend
+from edgeinfer.engine.attention.oneshot import prefill_hidden
 from edgeinfer.eval.metrics import (
     kl_divergence,
     perplexity,
@@ -27,7 +27,6 @@ from edgeinfer.eval.metrics import (
 
 log = logging.getLogger(__name__)
 
-BLOCK_SIZE = 16
 LOGIT_ROWS = 32  # rows of [rows, vocab] fp32 log-probabilities held at once per model (32 MiB for Gemma)
 
 
@@ -82,21 +81,8 @@ class Candidate:
 @torch.inference_mode()
 def forward_hidden(candidate: Candidate, input_ids: Sequence[int]) -> torch.Tensor:
     """Final hidden states [T, H] of one sequence prefilled in one step through a fresh paged cache."""
-    n = len(input_ids)
-    num_blocks = -(-n // BLOCK_SIZE)
-    model = candidate.model
-    storage = KVCacheStorage(
-        model.kv_spec, num_blocks, BLOCK_SIZE, candidate.dtype, candidate.device, candidate.kv_cache_dtype
-    )
-    backend = get_attention_backend("torch", storage)
-    dev = candidate.device
-    # Blocks 0..num_blocks-1 in order, so a token's flat slot equals its position.
-    meta = AttentionMetadata(
-        torch.arange(n, device=dev), [0], [n], [n], torch.arange(num_blocks, device=dev)[None], 0, BLOCK_SIZE
-    )
-    backend.begin(meta)
-    positions = torch.arange(n, device=dev)
-    return model(torch.tensor(list(input_ids), device=dev), positions, backend)
+    c = candidate
+    return prefill_hidden(c.model, input_ids, c.dtype, c.device, c.kv_cache_dtype)
 
 
 @dataclass

@@ -64,8 +64,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=1024)
     engine.add_argument("--batch-window-ms", type=float, default=2.0)
     engine.add_argument("--quantization", default=None, help="int8, int4, fp8")
+    engine.add_argument(
+        "--lm-head-quantization",
+        default="auto",
+        help="lm_head/embeddings under --quantization: auto (int8 for int4, else the same), none, a method",
+    )
+    engine.add_argument(
+        "--no-calibrate", action="store_true", help="quantize without activation-aware input scaling"
+    )
     engine.add_argument("--kv-cache-dtype", default="auto")
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument(
+        "--compile", action="store_true", help="torch.compile the dense layers (needs a C++ compiler)"
+    )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
@@ -168,6 +179,9 @@ def run(args: argparse.Namespace) -> int:
         batch_window_ms=args.batch_window_ms,
         enable_prefix_caching=not args.no_prefix_caching,
         quantization=args.quantization,
+        lm_head_quantization=args.lm_head_quantization,
+        calibrate_quantization=not args.no_calibrate,
+        compile=args.compile,
         kv_cache_dtype=args.kv_cache_dtype,
     )
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None

@@ -68,7 +68,15 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(args.hidden, args.rms_eps, g)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), positions, backend)
+        q, k, v = self.pre_attention(x, positions)
+        return self.post_attention(x, self.self_attn.attend(q, k, v, backend))
+
+    # Everything but the paged attention: pure tensor functions, which model/compile.py may compile.
+    def pre_attention(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.self_attn.project(self.input_layernorm(x), positions)
+
+    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = self.self_attn.output(attn)
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

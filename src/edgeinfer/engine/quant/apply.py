@@ -40,19 +40,23 @@ def quantize_model(
     *,
     quantize_lm_head: bool = False,
     quantize_embeddings: bool = False,
+    head_method: str | WeightMethod | None = None,
     device: torch.device | str | None = None,
 ) -> nn.Module:
     """Replace the model's `nn.Linear` modules with `QuantLinear` in place; return the model.
 
     `skip` names modules to keep in full precision. The lm_head and embeddings are kept unless asked for;
     when both are quantized and share one tensor (tied weights), int8/fp8 layers share one quantized copy.
+    `head_method` (default: `method`) quantizes the lm_head and embeddings, so an int4 model can keep an
+    int8 output layer as llama.cpp's Q4_K_M keeps its token embedding in Q8_0.
     Quantize after the model is on its serving device (the CPU int4 layout is built for the CPU it runs on).
     A module holding weights of another shape (fused `[E, out, in]` experts) joins in by defining
     `quantize_weights(method)`, typically swapping its parameters for `quantize_expert_weights(...)`.
     """
     m = get_weight_method(method)
+    head = m if head_method is None else get_weight_method(head_method)
     skipped = make_skip(skip)
-    states: dict[int, dict[str, torch.Tensor]] = {}  # id(float weight) -> its quantized state (tied weights)
+    states: dict[tuple, dict[str, torch.Tensor]] = {}  # (weight, method) -> its state (tied weights)
     replaced = 0
     for name, module in list(model.named_modules()):
         if not name or skipped(name):
@@ -65,11 +69,12 @@ def quantize_model(
         if isinstance(module, nn.Linear):
             if is_lm_head(name) and not quantize_lm_head:
                 continue
-            state = _state_for(m, module.weight, states)
+            lm = head if is_lm_head(name) else m
+            state = _state_for(lm, module.weight, states)
             dev = device if device is not None else module.weight.device
-            new: nn.Module = QuantLinear(m, m.prepare(state, dev), module.bias)
+            new: nn.Module = QuantLinear(lm, lm.prepare(state, dev), module.bias)
         elif isinstance(module, nn.Embedding) and quantize_embeddings:
-            new = QuantEmbedding(m, _state_for(m, module.weight, states), module.weight.dtype)
+            new = QuantEmbedding(head, _state_for(head, module.weight, states), module.weight.dtype)
         else:
             continue
         set_submodule(model, name, new)
@@ -78,8 +83,8 @@ def quantize_model(
     return model
 
 
-def _state_for(m: WeightMethod, weight: torch.Tensor, cache: dict[int, dict[str, torch.Tensor]]) -> dict:
-    key = id(weight)
+def _state_for(m: WeightMethod, weight: torch.Tensor, cache: dict[tuple, dict[str, torch.Tensor]]) -> dict:
+    key = (id(weight), repr(m))
     if key not in cache:
         cache[key] = m.quantize(weight.detach())
     return cache[key]

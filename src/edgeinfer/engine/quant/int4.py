@@ -12,6 +12,7 @@ adds at most `scale / 32` (|8 - zp| <= 8, bf16 rounds to within 2^-8 relative).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -114,12 +115,18 @@ class Int4Method(WeightMethod):
         return PreparedWeight("dequant", tensors, n, k)
 
     def kernel_for(self, weight: PreparedWeight, num_tokens: int) -> str:
+        large = num_tokens >= _DEQUANT_MIN_TOKENS
+        if weight.kernel == "cpu_int4pack" and large and _unpackable(weight.out_features):
+            return "dequant"
         return weight.kernel
 
     def apply(self, weight: PreparedWeight, x: torch.Tensor) -> torch.Tensor:
         t = weight.tensors
         if weight.kernel == "cpu_int4pack":
             xin = x if x.dtype in (torch.bfloat16, torch.float32) else x.to(torch.bfloat16)
+            if self.kernel_for(weight, x.shape[0]) == "dequant":
+                w = _int4pack_to_kn(t["packed"], t["scale_kn"], t["zero_kn"], weight.in_features, xin.dtype)
+                return torch.mm(xin, w).to(x.dtype)
             sz = t["scales_zeros"].to(xin.dtype)
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 xin.contiguous(), t["packed"], self.group_size, sz
@@ -153,14 +160,108 @@ def _dequant(
 
 
 def _cpu_layout(u: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Repack unpacked `q/zero/scale` (any leading dims) for `_weight_int4pack_mm_for_cpu`."""
+    """Repack unpacked `q/zero/scale` (any leading dims) for `_weight_int4pack_mm_for_cpu`.
+
+    `scale_kn`/`zero_kn` (`[..., K/G, 1, N]`, 1/16 of the packed bytes) are the same values laid out for
+    the large-M path, which broadcasts them over each group's rows of a dequantized `[K, N]` weight.
+    """
     q, zero, scale = u["q"], u["zero"], u["scale"]
     lead = q.shape[:-2]
     flat_q = q.reshape(-1, *q.shape[-2:])
     packed = torch.stack(
         [torch.ops.aten._convert_weight_to_int4pack_for_cpu(m.to(torch.int32), 1) for m in flat_q]
     )
+    scale_kn = scale.to(torch.bfloat16).transpose(-1, -2).unsqueeze(-2).contiguous()
     zero_term = ((8 - zero.to(torch.float32)) * scale.to(torch.float32)).to(torch.bfloat16)
+    zero_kn = zero_term.transpose(-1, -2).unsqueeze(-2).contiguous()
     # kernel wants [K/G, N, 2] with (scale, zero) pairs
     sz = torch.stack([scale.to(torch.bfloat16), zero_term], dim=-1).transpose(-3, -2).contiguous()
-    return {"packed": packed.reshape(*lead, *packed.shape[1:]), "scales_zeros": sz}
+    return {
+        "packed": packed.reshape(*lead, *packed.shape[1:]),
+        "scales_zeros": sz,
+        "scale_kn": scale_kn,
+        "zero_kn": zero_kn,
+    }
+
+
+# --- large-M path ---------------------------------------------------------------------------------
+# The fused CPU kernel loops over the rows of x (cost linear in M), so for a prefill it is ~2.5x slower
+# than one bf16 GEMM. From this many rows on, dequantizing the packed weight (~0.5 ns a weight, once per
+# call) and running a bf16 GEMM wins; measured at 1 thread on AVX512 over Gemma 3 270M's layer shapes.
+_DEQUANT_MIN_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class _PackLayout:
+    """Where the fused kernel's packing puts each weight, as observed on this machine.
+
+    Rows are packed in blocks of `block_n`: block `b` is `[K, block_n / 2]` bytes, and byte `j` of row `k`
+    holds `q[b * block_n + c, k]` for `c = lo_cols[j]` in its low nibble and `c = hi_cols[j]` in its high one.
+    """
+
+    block_n: int
+    lo_cols: slice
+    hi_cols: slice
+
+
+def _probe_pack_layout() -> _PackLayout | None:
+    """Probe the packing (it depends on the CPU's vector width): None when it is none of the known forms."""
+    n, k = 256, 32
+    rows = torch.arange(n, dtype=torch.int32).unsqueeze(1).expand(n, k)
+    cols = torch.arange(k, dtype=torch.int32).expand(n, k)
+    probes = [rows & 15, rows >> 4, cols & 15]
+    packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(p.contiguous(), 1) for p in probes]
+    for block_n in (64, 32):
+        half = block_n // 2
+        for layout in (
+            _PackLayout(block_n, slice(0, half), slice(half, block_n)),
+            _PackLayout(block_n, slice(0, block_n, 2), slice(1, block_n, 2)),
+        ):
+            lo_rows, hi_rows, k_of = (_unpack_blocks(p, layout, n, k) for p in packed)
+            want = torch.arange(n, dtype=torch.int32).view(n // block_n, 1, block_n)
+            if torch.equal(lo_rows + 16 * hi_rows, want.expand(-1, k, -1)) and torch.equal(
+                k_of, (torch.arange(k, dtype=torch.int32) & 15).view(1, k, 1).expand_as(k_of)
+            ):
+                return layout
+    return None
+
+
+def _unpack_blocks(packed: torch.Tensor, layout: _PackLayout, n: int, k: int) -> torch.Tensor:
+    """Nibbles of a probe's packing as `[n / block_n, k, block_n]` int32 (column c = row b * block_n + c)."""
+    bytes_ = packed.reshape(n // layout.block_n, k, layout.block_n // 2).to(torch.int32)
+    out = torch.empty(n // layout.block_n, k, layout.block_n, dtype=torch.int32)
+    out[..., layout.lo_cols] = bytes_ & 15
+    out[..., layout.hi_cols] = bytes_ >> 4
+    return out
+
+
+# A constant probed once at import (a few small ops), so that compiled code reads it rather than tracing it.
+_PACK_LAYOUT = _probe_pack_layout()
+
+
+def _unpackable(n: int) -> bool:
+    """Whether a packed `n`-row weight can be dequantized here (the packing's last, partial block differs)."""
+    return _PACK_LAYOUT is not None and n % _PACK_LAYOUT.block_n == 0
+
+
+def _int4pack_to_kn(
+    packed: torch.Tensor, scale_kn: torch.Tensor, zero_kn: torch.Tensor, k: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight the fused kernel multiplies by, `W.T` as a contiguous `[K, N]` in `dtype`.
+
+    `(q - 8) * scale + zero` as the kernel computes it (in fp32, one rounding), so the two paths differ only
+    by the rounding of the weight to `dtype`. The packing's blocks are already K-major, so each block
+    unpacks into a column range of `W.T` and no transpose is needed.
+    """
+    layout = _PACK_LAYOUT
+    assert layout is not None  # kernel_for checked
+    groups, _, n = scale_kn.shape
+    blocks = packed.view(n // layout.block_n, k, layout.block_n // 2).view(torch.int8)
+    w = torch.empty(k, n // layout.block_n, layout.block_n, dtype=dtype)
+    by_block = w.permute(1, 0, 2)
+    # the bytes as int8: `& 15` and `>> 4` of the unsigned byte, shifted to [-8, 7], then converted on copy
+    by_block[..., layout.lo_cols] = (blocks & 15) - 8
+    by_block[..., layout.hi_cols] = (blocks.view(torch.uint8) >> 4).view(torch.int8) - 8
+    by_group = w.view(groups, k // groups, n)
+    torch.addcmul(zero_kn, by_group, scale_kn, out=by_group)
+    return w.view(k, n)

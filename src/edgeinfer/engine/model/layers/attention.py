@@ -44,6 +44,13 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(shape.head_dim, shape.qk_norm_eps, shape.qk_norm_unit_offset)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.project(x, positions)
+        return self.output(self.attend(q, k, v, backend))
+
+    # The three stages are separate so that the tensor-only ones can be compiled (model/compile.py) while
+    # the paged attention, with its per-step Python metadata, stays eager.
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Normed input `[T, hidden]` -> rotated q `[T, Hq, D]`, k and v `[T, Hkv, D]`."""
         s = self.shape
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
@@ -52,5 +59,13 @@ class SelfAttention(nn.Module):
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        out = backend.attend(self.layer_idx, q, k, v, self.scale, s.window, s.softcap)
+        return q, k, v
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        s = self.shape
+        return backend.attend(self.layer_idx, q, k, v, self.scale, s.window, s.softcap)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
         return self.o_proj(out.reshape(-1, self.q_size))

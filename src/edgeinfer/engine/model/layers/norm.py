@@ -28,6 +28,8 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).type_as(x)
 
     def _fp32_scale(self) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled graph fuses `1 + w` into the norm
+            return 1.0 + self.weight.float()
         # `1 + w` in fp32, rebuilt only when the weight changes (its version counter moves on load).
         version = self.weight._version
         if self._scale is None or self._scale[0] != version:

@@ -103,15 +103,21 @@ class RotaryEmbedding(nn.Module):
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer of a step passes the same positions tensor: gather cos/sin once per step, in the
         # activations' dtype (as HF rotates, so bf16 results match it too).
+        # A compiled graph fuses the gather into the rotation instead.
+        if torch.compiler.is_compiling():
+            return self._gather(positions, dtype)
         cached = self._step_cache
         if cached is not None and cached[0] is positions and cached[1].dtype == dtype:
             return cached[1], cached[2]
+        cos, sin = self._gather(positions, dtype)
+        self._step_cache = (positions, cos, sin)
+        return cos, sin
+
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         if not self.interleaved:
             cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-        cos, sin = cos.to(dtype), sin.to(dtype)
-        self._step_cache = (positions, cos, sin)
-        return cos, sin
+        return cos.to(dtype), sin.to(dtype)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]

@@ -1,0 +1,218 @@
+"""Activation-aware input scaling before weight quantization (the AWQ idea, searched per layer).
+
+For a linear layer `y = x @ W.T`, any positive per-input-channel vector `c` gives the same float result
+as `y = (x / c) @ (W * c).T`. Quantizing `W * c` instead of `W` moves precision to the input channels that
+carry large activations, and (for int8 activations) shrinks the outlier channels that set each token's
+int8 step. `c = mean|x|^alpha`, with `alpha` chosen per layer on calibration inputs to minimise the
+quantized layer's output error (`alpha = 0`, no scaling, is a candidate, so the search never makes the
+calibration error worse). The `1 / c` is folded into the op that produces `x` (an RMSNorm's weight, or the
+`up` rows of a gated MLP feeding `down_proj`), so the quantized model runs exactly the same kernels.
+
+Which producer feeds which layer is model structure; `smoothing_groups` knows the dense decoder layer
+(Llama, Qwen3, Gemma 3). Layers it does not recognise (MoE experts, MLA) are left as they are. Not scaled:
+`o_proj` (its input comes from attention over shared KV heads, so one scale would have to fit several
+query heads) and a tied lm_head (its weight is also the embedding table).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from edgeinfer.engine.quant.base import WeightMethod
+from edgeinfer.engine.quant.calibrate import WINDOW, InputSample, calibration_windows, collect_inputs
+
+log = logging.getLogger(__name__)
+
+ALPHAS = tuple(i / 10 for i in range(11))
+
+#: scales the producer's output channels by `inv` and returns the factor actually applied (after the
+#: producer's weight was rounded to its dtype), so the consumer can use exactly its inverse
+Fold = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class SmoothGroup:
+    """Linear layers that share one input, and the op producing that input."""
+
+    name: str
+    linears: list[tuple[str, nn.Linear]]
+    fold: Fold
+
+
+@dataclass
+class SmoothReport:
+    """Per group: the chosen scale and the relative output error without and with scaling."""
+
+    chosen: dict[str, tuple[str, float, float]] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        if not self.chosen:
+            return "no layers scaled"
+        before = sum(v[1] for v in self.chosen.values()) / len(self.chosen)
+        after = sum(v[2] for v in self.chosen.values()) / len(self.chosen)
+        return (
+            f"scaled {len(self.chosen)} layer inputs; mean relative output error {before:.2e} -> {after:.2e}"
+        )
+
+
+def fold_into_norm(norm: nn.Module) -> Fold:
+    """Scale an RMSNorm's output per channel (both conventions: `w * x̂` and Gemma's `(1 + w) * x̂`)."""
+
+    def fold(inv: torch.Tensor) -> torch.Tensor:
+        w = norm.weight
+        offset = 1.0 if getattr(norm, "unit_offset", False) else 0.0
+        old = w.detach().float() + offset
+        new = (old * inv).sub_(offset).to(w.dtype)
+        with torch.no_grad():
+            w.copy_(new)  # bumps the version counter, so cached fp32 scales are rebuilt
+        # a channel the norm zeroes stays zero whatever its scale: report 1 so its weights are left alone
+        return torch.where(old == 0, torch.ones_like(old), (new.float() + offset) / old)
+
+    return fold
+
+
+def fold_into_rows(linear: nn.Linear, start: int, stop: int) -> Fold:
+    """Scale output rows `[start, stop)` of a linear layer (its weight becomes fp32, exact)."""
+
+    def fold(inv: torch.Tensor) -> torch.Tensor:
+        _to_fp32(linear)
+        with torch.no_grad():
+            linear.weight[start:stop] *= inv[:, None]
+            if linear.bias is not None:
+                linear.bias[start:stop] *= inv.to(linear.bias.dtype)
+        return inv
+
+    return fold
+
+
+def smoothing_groups(model: nn.Module) -> Iterator[SmoothGroup]:
+    """The groups of a dense decoder, per layer `down_proj` first (its fold edits `gate_up_proj`'s rows,
+    which `gate_up_proj`'s own search must then see)."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    for i, layer in enumerate(layers):
+        prefix = f"model.layers.{i}"
+        mlp = getattr(layer, "mlp", None)
+        gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+        if isinstance(gate_up, nn.Linear) and isinstance(down, nn.Linear):
+            inter = mlp.intermediate
+            yield SmoothGroup(
+                f"{prefix}.mlp.down_proj",
+                [(f"{prefix}.mlp.down_proj", down)],
+                fold_into_rows(gate_up, inter, 2 * inter),  # the `up` half: down's input is act(gate) * up
+            )
+            mlp_norm = layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm
+            yield SmoothGroup(
+                f"{prefix}.mlp.gate_up_proj",
+                [(f"{prefix}.mlp.gate_up_proj", gate_up)],
+                fold_into_norm(mlp_norm),
+            )
+        qkv = getattr(getattr(layer, "self_attn", None), "qkv_proj", None)
+        if isinstance(qkv, nn.Linear):
+            name = f"{prefix}.self_attn.qkv_proj"
+            yield SmoothGroup(name, [(name, qkv)], fold_into_norm(layer.input_layernorm))
+
+
+def smooth_model(
+    model: nn.Module,
+    method: WeightMethod,
+    samples: dict[str, InputSample],
+    skip: Callable[[str], bool] = lambda name: False,
+    alphas: tuple[float, ...] = ALPHAS,
+) -> SmoothReport:
+    """Search and apply input scales for every recognised group whose layers will all be quantized.
+
+    Scaled layers keep fp32 weights (so the product `W * c` is not rounded twice); quantize them next.
+    """
+    report = SmoothReport()
+    for group in smoothing_groups(model):
+        names = [n for n, _ in group.linears]
+        if any(skip(n) or n not in samples for n in names):
+            continue
+        sample = samples[names[0]]
+        dtype = group.linears[0][1].weight.dtype
+        weights = [lin.weight.detach().float() for _, lin in group.linears]
+        label, scale, err0, err = search_scale(sample, weights, method, dtype, alphas)
+        report.chosen[group.name] = (label, err0, err)
+        if label == "mean^0":
+            continue
+        applied = group.fold(1.0 / scale)  # the producer now outputs x * applied
+        for _, lin in group.linears:
+            _to_fp32(lin)
+            with torch.no_grad():
+                lin.weight /= applied[None, :]
+    log.info("activation-aware scaling: %s", report.summary())
+    return report
+
+
+def candidate_scales(
+    sample: InputSample, alphas: tuple[float, ...] = ALPHAS
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(label, scale) pairs `mean|x|^a`, centred on 1; channels that are always 0 keep 1 (e.g. behind a
+    norm weight of 0). SmoothQuant's `max|x|^a / max|w|^(1-a)` was tried as a second family: it fitted the
+    calibration rows better and the eval text worse (KL 0.024 vs 0.016 on Gemma 3 270M, int8)."""
+    live = sample.abs_mean > 0
+    for alpha in alphas:
+        base = sample.abs_mean.pow(alpha)
+        c = torch.ones_like(base)
+        if live.any():
+            c[live] = base[live] / (base[live].max() * base[live].min()).sqrt()
+        yield f"mean^{alpha:g}", c
+
+
+def search_scale(
+    sample: InputSample,
+    weights: list[torch.Tensor],
+    method: WeightMethod,
+    dtype: torch.dtype,
+    alphas: tuple[float, ...] = ALPHAS,
+) -> tuple[str, torch.Tensor, float, float]:
+    """(label, scale, error unscaled, error scaled) minimising the summed relative output error of the
+    quantized layers on the calibration rows (`mean^0`, unscaled, is the first candidate)."""
+    x = sample.rows
+    refs = [x @ w.t() for w in weights]
+    norm = sum(float(r.square().sum()) for r in refs) or 1.0
+    best: tuple[str, torch.Tensor, float] | None = None
+    err0 = 0.0
+    for label, c in candidate_scales(sample, alphas):
+        xs = (x / c).to(dtype)
+        outs = (_quantized_matmul(method, w * c, xs) for w in weights)
+        err = sum(float((o - r).square().sum()) for o, r in zip(outs, refs, strict=True)) / norm
+        if best is None:
+            err0 = err
+        if best is None or err < best[2]:
+            best = (label, c, err)
+    assert best is not None
+    return best[0], best[1], err0, best[2]
+
+
+def _quantized_matmul(method: WeightMethod, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    prepared = method.prepare(method.quantize(weight), x.device)
+    return method.apply(prepared, x).float()
+
+
+def _to_fp32(linear: nn.Linear) -> None:
+    if linear.weight.dtype != torch.float32:
+        linear.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
+
+
+def scale_for_quantization(
+    model: nn.Module,
+    method: WeightMethod,
+    token_ids: list[int],
+    bos_token_id: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    skip: Callable[[str], bool] = lambda name: False,
+) -> SmoothReport:
+    """Calibrate on `token_ids` (the float model's activations) and scale the recognised layers."""
+    groups = list(smoothing_groups(model))
+    names = {n for g in groups for n, _ in g.linears}
+    max_pos = getattr(getattr(model, "args", None), "max_pos", WINDOW + 1)
+    windows = calibration_windows(token_ids, bos_token_id, min(WINDOW, max_pos - 1))
+    samples = collect_inputs(model, windows, names, dtype, device)
+    return smooth_model(model, method, samples, skip)
