@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from edgeinfer.engine.runner.sampler import Sampler
+from edgeinfer.engine.runner.sampler import Sampler, inverse_cdf
 from edgeinfer.engine.scheduler import ScheduledChunk
 from edgeinfer.types import FinishReason, SamplingParams
 
@@ -175,3 +175,24 @@ def test_padded_vocabulary_rows_are_never_sampled(tiny_llama, tmp_path):
     for sp in (SamplingParams(max_tokens=8, temperature=0.0), SamplingParams(max_tokens=8, seed=1)):
         (res,) = eng.generate([PROMPT], sp)
         assert res.token_ids and max(res.token_ids) < limit
+
+
+def test_inverse_cdf_matches_the_distribution_and_skips_zero_mass():
+    g = torch.Generator().manual_seed(0)
+    vocab = 3000  # not a multiple of the block width: the padded tail must never be picked
+    probs = torch.zeros(2, vocab)
+    probs[0, [5, 1500, 2999]] = torch.tensor([0.2, 0.3, 0.5])
+    probs[1] = torch.rand(vocab, generator=g) ** 8
+    probs[1, ::2] = 0.0  # every even id impossible
+    probs[1] /= probs[1].sum()
+    n = 20000
+    u = torch.rand(n, generator=g)
+    picks0 = inverse_cdf(probs[0].expand(n, vocab), u)
+    freq = torch.bincount(picks0, minlength=vocab).float() / n
+    assert set(picks0.unique().tolist()) == {5, 1500, 2999}
+    assert torch.allclose(freq[[5, 1500, 2999]], torch.tensor([0.2, 0.3, 0.5]), atol=0.015)
+    picks1 = inverse_cdf(probs[1].expand(n, vocab), u)
+    assert bool((picks1 % 2 == 1).all())
+    # edges: u = 0 gives the first possible id, u just below 1 the last
+    edge = inverse_cdf(probs[:1].expand(2, vocab), torch.tensor([0.0, 1 - 1e-9]))
+    assert edge.tolist() == [5, 2999]

@@ -13,10 +13,12 @@ from edgeinfer.engine.loading import load_model
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.quant import get_weight_method
 from edgeinfer.engine.quant.calibrate import InputSample, calibration_windows, collect_inputs
+from edgeinfer.engine.quant.clipping import clip_weight
 from edgeinfer.engine.quant.smoothing import (
     _quantized_matmul,
     scale_for_quantization,
     search_scale,
+    smooth_model,
     smoothing_groups,
 )
 
@@ -57,9 +59,9 @@ def test_scaling_keeps_the_float_model(tiny_models, family):
     names = {n for g in smoothing_groups(model) for n, _ in g.linears}
     before = collect_inputs(model, probe, names, torch.float32, torch.device("cpu"))
     ref = model.compute_logits(_hidden(model, probe[0]))
-    report = scale_for_quantization(
-        model, get_weight_method("int8"), _tokens(96, model.args.vocab_size), None, torch.float32, "cpu"
-    )
+    calib = calibration_windows(_tokens(96, model.args.vocab_size), None)
+    samples = collect_inputs(model, calib, names, torch.float32, torch.device("cpu"))
+    report = smooth_model(model, get_weight_method("int8"), samples)
     assert len(report.chosen) == 3 * model.args.num_layers
     assert any(label != "mean^0" for label, _, _ in report.chosen.values())
     assert all(err <= err0 for _, err0, err in report.chosen.values())
@@ -88,3 +90,33 @@ def test_calibrated_bf16_model_keeps_its_dtype_and_stays_close(tiny_llama):
     got = torch.log_softmax(m.compute_logits(prefill_hidden(m, ids, torch.bfloat16, cpu)), -1)
     kl = (want.exp() * (want - got)).sum(-1)
     assert kl.mean() < 0.01
+
+
+def test_skipped_layers_stay_in_the_model_dtype(tiny_llama):
+    """Skipping `gate_up_proj` also skips `down_proj`'s scaling, whose fold would edit gate_up's rows."""
+    ckpt = open_checkpoint(tiny_llama)
+    model = load_model(ckpt, torch.bfloat16, torch.device("cpu"))
+    skip = lambda name: name.endswith("gate_up_proj")  # noqa: E731
+    report = scale_for_quantization(
+        model, get_weight_method("int8"), _tokens(64, 100), None, torch.bfloat16, "cpu", skip
+    )
+    assert report.chosen and not any("mlp" in name for name in report.chosen)
+    for layer in model.model.layers:
+        assert layer.mlp.gate_up_proj.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_clipping_never_worse_on_calibration_rows(method):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 256, generator=g) * 0.02
+    w[:, 5] = 0.5  # one outlier input per row stretches every group (row for int8) that holds it
+    x = torch.randn(128, 256, generator=g)
+    m = get_weight_method(method)
+    clipped, narrowed = clip_weight(m, w, x)
+    ref = x @ w.t()
+    plain = (_quantized_matmul(m, w, x) - ref).square().sum()
+    after = (_quantized_matmul(m, clipped, x) - ref).square().sum()
+    assert after <= plain
+    if method == "int4":  # 16 levels: narrowing the groups pays; int8's 255 levels keep the outlier
+        assert narrowed > 0 and after < plain
+    assert (clipped - w).abs().max() < w.abs().max()  # a clamp, never a sign flip or blow-up

@@ -25,6 +25,7 @@ from torch import nn
 
 from edgeinfer.engine.quant.base import WeightMethod
 from edgeinfer.engine.quant.calibrate import WINDOW, InputSample, calibration_windows, collect_inputs
+from edgeinfer.engine.quant.clipping import clip_weight, group_size
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class SmoothGroup:
     name: str
     linears: list[tuple[str, nn.Linear]]
     fold: Fold
+    #: the linear layer whose rows `fold` edits (None for a norm): it turns fp32, so it must be quantized too
+    producer: str | None = None
 
 
 @dataclass
@@ -49,6 +52,10 @@ class SmoothReport:
     """Per group: the chosen scale and the relative output error without and with scaling."""
 
     chosen: dict[str, tuple[str, float, float]] = field(default_factory=dict)
+    #: per scaled layer: the factor its input now carries (x * factor), for later searches on its inputs
+    input_factor: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: per clipped layer: the fraction of (row, group) ranges narrowed
+    clipped: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
         if not self.chosen:
@@ -104,6 +111,7 @@ def smoothing_groups(model: nn.Module) -> Iterator[SmoothGroup]:
                 f"{prefix}.mlp.down_proj",
                 [(f"{prefix}.mlp.down_proj", down)],
                 fold_into_rows(gate_up, inter, 2 * inter),  # the `up` half: down's input is act(gate) * up
+                f"{prefix}.mlp.gate_up_proj",
             )
             mlp_norm = layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm
             yield SmoothGroup(
@@ -131,7 +139,7 @@ def smooth_model(
     report = SmoothReport()
     for group in smoothing_groups(model):
         names = [n for n, _ in group.linears]
-        if any(skip(n) or n not in samples for n in names):
+        if any(skip(n) or n not in samples for n in names) or (group.producer and skip(group.producer)):
             continue
         sample = samples[names[0]]
         dtype = group.linears[0][1].weight.dtype
@@ -141,10 +149,11 @@ def smooth_model(
         if label == "mean^0":
             continue
         applied = group.fold(1.0 / scale)  # the producer now outputs x * applied
-        for _, lin in group.linears:
+        for name, lin in group.linears:
             _to_fp32(lin)
             with torch.no_grad():
                 lin.weight /= applied[None, :]
+            report.input_factor[name] = applied
     log.info("activation-aware scaling: %s", report.summary())
     return report
 
@@ -200,6 +209,31 @@ def _to_fp32(linear: nn.Linear) -> None:
         linear.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
 
 
+def clip_model(
+    model: nn.Module,
+    method: WeightMethod,
+    samples: dict[str, InputSample],
+    report: SmoothReport,
+    skip: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Clamp every sampled, quantized linear's weight to its searched range (quant/clipping.py)."""
+    modules = dict(model.named_modules())
+    for name, sample in samples.items():
+        lin = modules[name]
+        if skip(name) or lin.weight.shape[-1] % group_size(method, lin.weight.shape[-1]):
+            continue
+        x = sample.rows * report.input_factor.get(name, 1.0)
+        weight, report.clipped[name] = clip_weight(method, lin.weight.detach(), x)
+        _to_fp32(lin)
+        with torch.no_grad():
+            lin.weight.copy_(weight)
+    if report.clipped:
+        mean = sum(report.clipped.values()) / len(report.clipped)
+        log.info(
+            "range clipping: %d layers, %.1f%% of group ranges narrowed", len(report.clipped), 100 * mean
+        )
+
+
 def scale_for_quantization(
     model: nn.Module,
     method: WeightMethod,
@@ -209,10 +243,17 @@ def scale_for_quantization(
     device: torch.device,
     skip: Callable[[str], bool] = lambda name: False,
 ) -> SmoothReport:
-    """Calibrate on `token_ids` (the float model's activations) and scale the recognised layers."""
-    groups = list(smoothing_groups(model))
-    names = {n for g in groups for n, _ in g.linears}
+    """Calibrate on `token_ids` (the float model's activations), scale the recognised layers' inputs,
+    then clip the ranges of every decoder-layer linear."""
+    names = decoder_linears(model)
     max_pos = getattr(getattr(model, "args", None), "max_pos", WINDOW + 1)
     windows = calibration_windows(token_ids, bos_token_id, min(WINDOW, max_pos - 1))
     samples = collect_inputs(model, windows, names, dtype, device)
-    return smooth_model(model, method, samples, skip)
+    report = smooth_model(model, method, samples, skip)
+    clip_model(model, method, samples, report, skip)
+    return report
+
+
+def decoder_linears(model: nn.Module) -> list[str]:
+    """Names of the plain linear layers inside the decoder layers (not the lm_head, not fused experts)."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in f".{n}"]

@@ -1,8 +1,10 @@
 """Turning fp32 logits into tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
-Greedy rows take one batched argmax. Random rows sample by the exponential race
-(argmax of p / E with E ~ Exp(1)), which equals multinomial sampling and lets a seeded request draw
-its noise from its own generator, so its tokens do not depend on what else is in the batch.
+Greedy rows take one batched argmax. Random rows sample by inverting the CDF: one uniform draw per row
+from the request's own generator (so a seeded request's tokens do not depend on what else is in the
+batch), located in the row's cumulative probabilities. The exponential race used first (argmax of p / E,
+E ~ Exp(1)) draws one random number per vocabulary entry: 5 ms a row for Gemma's 262k entries, 171 ms of
+a 32-sequence decode step; the CDF costs one pass of block sums plus two short cumulative sums.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from edgeinfer.engine.scheduler import ScheduledChunk
 from edgeinfer.types import TokenLogprob
@@ -61,10 +64,13 @@ class Sampler:
         if any(_needs_penalties(c) for c in chunks):  # copy only when logits will be edited
             logits = self._apply_penalties(logits.clone(), chunks)
         greedy = torch.tensor([c.sampling.greedy for c in chunks], device=logits.device)
-        chosen = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            rows = (~greedy).nonzero().squeeze(-1)
-            chosen[rows] = self._sample_random(logits[rows], [chunks[i] for i in rows.tolist()])
+        if not bool(greedy.any()):  # all random: no argmax, no copy of the rows
+            chosen = self._sample_random(logits, chunks)
+        else:
+            chosen = logits.argmax(dim=-1)
+            if not bool(greedy.all()):
+                rows = (~greedy).nonzero().squeeze(-1)
+                chosen[rows] = self._sample_random(logits[rows], [chunks[i] for i in rows.tolist()])
         want = [i for i, c in enumerate(chunks) if c.sampling.logprobs is not None]
         if want:
             lp = torch.log_softmax(raw[want], dim=-1)
@@ -115,10 +121,9 @@ class Sampler:
         min_p = torch.tensor([c.sampling.min_p for c in chunks], device=logits.device)
         if bool((min_p > 0).any()):
             probs = probs.masked_fill(probs < min_p.unsqueeze(-1) * probs.amax(-1, keepdim=True), 0.0)
-        noise = torch.empty_like(probs)
-        for i, c in enumerate(chunks):
-            noise[i].exponential_(generator=self._generator(c, probs.device))
-        return (probs / noise).argmax(dim=-1)
+        dev = probs.device
+        u = torch.stack([torch.rand((), generator=self._generator(c, dev), device=dev) for c in chunks])
+        return inverse_cdf(probs, u)
 
     def _generator(self, chunk: ScheduledChunk, device: torch.device) -> torch.Generator | None:
         seed = chunk.sampling.seed
@@ -129,6 +134,26 @@ class Sampler:
             gen = torch.Generator(device=device).manual_seed(seed)
             self._generators[chunk.request_id] = gen
         return gen
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, width: int = 1024) -> torch.Tensor:
+    """Per row, the first index whose cumulative probability exceeds `u * total` (`u` in [0, 1)).
+
+    Two levels, in fp64 (a 262k-term fp32 running sum could drift past the smallest probabilities):
+    cumulative block masses pick a block, a cumulative sum inside that block picks the entry. The entry
+    found always has probability > 0.
+    """
+    rows, vocab = probs.shape
+    blocks = F.pad(probs, (0, (-vocab) % width)).view(rows, -1, width)
+    cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [rows, blocks]
+    target = u.double() * cdf[:, -1]
+    b = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+    before = torch.where(b > 0, cdf.gather(-1, (b - 1).clamp(min=0)[:, None]).squeeze(-1), 0.0)
+    inner = blocks[torch.arange(rows, device=probs.device), b].double().cumsum(-1)  # [rows, width]
+    # the block holds mass > target - before; keep the target strictly inside it despite rounding
+    rest = torch.minimum(target - before, inner[:, -1] * (1 - 2**-40))
+    j = torch.searchsorted(inner, rest[:, None], right=True).squeeze(-1)
+    return b * width + j
 
 
 def _needs_penalties(c: ScheduledChunk) -> bool:
