@@ -37,13 +37,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from docs_table import replace_section
 
 WEIGHTS = {"bf16": None, "int8": "int8", "int4": "int4", "fp8": "fp8"}  # label → --quantization
-# Quality-only rows (bf16 KV) that locate the error: int8 with the tied lm_head / embedding left in bf16,
-# int4 with the smallest group size, and both methods without activation-aware scaling.
+# Quality-only rows (bf16 KV) that locate the error: int8 without the Hadamard rotation, int4 with the
+# smallest group size or an int4 lm_head, and both methods without calibration (scaling, clipping).
 # label → (--quantization, lm_head_quantization, calibrate)
 EXTRAS = {
-    "int8, lm_head bf16": ("int8", "none", True),
+    "int8, no rotation": ("int8:0", "auto", True),
     "int8, uncalibrated": ("int8", "auto", False),
     "int4:32": ("int4:32", "auto", True),
+    "int4, lm_head int4": ("int4", "int4", True),
     "int4, uncalibrated": ("int4", "auto", False),
 }
 KV = {"bf16": "auto", "int8": "int8", "fp8": "fp8_e4m3", "int4": "int4"}  # label → --kv-cache-dtype
@@ -212,10 +213,11 @@ def header(meta: dict, ref_ppl: float, tokens: int, args: argparse.Namespace) ->
         f"+ bf16 KV (perplexity {ref_ppl:.3f}); KL(bf16 ‖ config) over the full 262,144-token vocabulary, "
         "in nats. Weights are scaled per input channel before quantizing (activation-aware, searched "
         "per layer on the package's own calibration text, not the eval text; see docs/quantization.md). "
+        "int8: inputs rotated by 128-wide Hadamard blocks (`int8:0`: not). "
         "int4: groups of 128 with the tied embedding / lm_head in int8 (as Q4_K_M keeps it in Q8_0); "
         "int8 and fp8 quantize the lm_head with their own method. Extra rows locate the error: "
-        "`lm_head bf16` leaves the lm_head / embedding unquantized, `int4:32` uses groups of 32, "
-        "`uncalibrated` skips the input scaling.",
+        "`no rotation`, `int4:32` (groups of 32), `lm_head int4`, `uncalibrated` (no input scaling, "
+        "no clipping).",
         "",
         f"Decode: {args.concurrency} concurrent requests, {args.prompt_len}-token random prompts, "
         f"{args.new_tokens} new tokens each (EOS ignored); tok/s of the steps after the shared "

@@ -15,6 +15,7 @@ from edgeinfer.engine.quant import get_weight_method
 from edgeinfer.engine.quant.calibrate import InputSample, calibration_windows, collect_inputs
 from edgeinfer.engine.quant.clipping import clip_weight
 from edgeinfer.engine.quant.smoothing import (
+    ScaledEmbedding,
     _quantized_matmul,
     scale_for_quantization,
     search_scale,
@@ -62,7 +63,11 @@ def test_scaling_keeps_the_float_model(tiny_models, family):
     calib = calibration_windows(_tokens(96, model.args.vocab_size), None)
     samples = collect_inputs(model, calib, names, torch.float32, torch.device("cpu"))
     report = smooth_model(model, get_weight_method("int8"), samples)
-    assert len(report.chosen) == 3 * model.args.num_layers
+    assert len(report.chosen) == 3 * model.args.num_layers + 1  # + the lm_head
+    if model.args.tie_embeddings and report.chosen["lm_head"][0] != "mean^0":
+        # still tied: the embedding looks up the scaled lm_head weight itself
+        assert isinstance(model.model.embed_tokens, ScaledEmbedding)
+        assert model.model.embed_tokens.inner.weight is model.lm_head.weight
     assert any(label != "mean^0" for label, _, _ in report.chosen.values())
     assert all(err <= err0 for _, err0, err in report.chosen.values())
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -86,7 +86,7 @@ def _quantize_float_model(
         tok = Tokenizer.from_checkpoint(ckpt)
         ids = tok.encode(default_calibration_text(), add_special_tokens=False)
         with torch.no_grad():
-            scale_for_quantization(model, method, ids, tok.bos_token_id, dtype, device)
+            scale_for_quantization(model, method, ids, tok.bos_token_id, dtype, device, head_method=head)
     quantize_model(
         model,
         method,
@@ -101,7 +101,7 @@ def head_method(spec: str, weights: WeightMethod) -> WeightMethod | None:
     if spec == "none":
         return None
     if spec == "auto":
-        return get_weight_method("int8") if weights.name == "int4" else weights
+        return parse_quantization("int8") if weights.name == "int4" else weights
     return parse_quantization(spec)
 
 
@@ -111,12 +111,21 @@ def _load_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if getattr(model, "keeps_fp32_weights", False) else dtype
 
 
+#: what the number after `:` sets per method, and its default when the spec has none
+_SPEC_OPTION = {"int4": ("group_size", None), "int8": ("hadamard", 128)}
+
+
 def parse_quantization(spec: str) -> WeightMethod:
-    """`int8`, `fp8`, `int4` or `int4:G` (group size G)."""
-    name, _, group = spec.partition(":")
-    if group and not group.isdigit():
-        raise ValueError(f"bad quantization {spec!r}: the group size after ':' must be an integer")
-    return get_weight_method(name, **({"group_size": int(group)} if group else {}))
+    """`int8` (Hadamard-rotated inputs, blocks of 128; `int8:B` for blocks of B, `int8:0` for none), `fp8`,
+    `int4` or `int4:G` (group size G)."""
+    name, _, value = spec.partition(":")
+    if value and not value.isdigit():
+        raise ValueError(f"bad quantization {spec!r}: the number after ':' must be an integer")
+    option, default = _SPEC_OPTION.get(name, (None, None))
+    if value and option is None:
+        raise ValueError(f"bad quantization {spec!r}: {name} takes no ':' option")
+    chosen = int(value) if value else default
+    return get_weight_method(name, **({option: chosen} if option and chosen is not None else {}))
 
 
 def _load_quantized(

@@ -76,9 +76,12 @@ def collect_inputs(
     recorders = {name: _Recorder() for name in layer_names}
     modules = dict(model.named_modules())
     handles = [modules[name].register_forward_hook(rec) for name, rec in recorders.items()]
+    head = recorders.get("lm_head")  # the lm_head runs outside forward: it is fed the final hidden states
     try:
         for ids in windows:
-            prefill_hidden(model, ids, dtype, device)
+            hidden = prefill_hidden(model, ids, dtype, device)
+            if head is not None:
+                head(modules["lm_head"], (hidden,), hidden)
     finally:
         for h in handles:
             h.remove()

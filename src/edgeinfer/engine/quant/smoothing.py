@@ -9,9 +9,11 @@ calibration error worse). The `1 / c` is folded into the op that produces `x` (a
 `up` rows of a gated MLP feeding `down_proj`), so the quantized model runs exactly the same kernels.
 
 Which producer feeds which layer is model structure; `smoothing_groups` knows the dense decoder layer
-(Llama, Qwen3, Gemma 3). Layers it does not recognise (MoE experts, MLA) are left as they are. Not scaled:
-`o_proj` (its input comes from attention over shared KV heads, so one scale would have to fit several
-query heads) and a tied lm_head (its weight is also the embedding table).
+(Llama, Qwen3, Gemma 3) and the final norm -> lm_head pair. Layers it does not recognise (MoE experts,
+MLA) are left as they are, and so is `o_proj` (its input comes from attention over shared KV heads, so
+one scale would have to fit several query heads). A tied lm_head stays tied: the embedding table becomes
+the scaled weight and its lookups multiply the scale back out (`ScaledEmbedding`), so the two still share
+one quantized copy.
 """
 
 from __future__ import annotations
@@ -97,9 +99,29 @@ def fold_into_rows(linear: nn.Linear, start: int, stop: int) -> Fold:
     return fold
 
 
+class ScaledEmbedding(nn.Module):
+    """Lookups in a table whose columns were multiplied by `1 / factor`: rows come back times `factor`."""
+
+    def __init__(self, inner: nn.Module, factor: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inner = inner
+        self.dtype = dtype
+        self.register_buffer("factor", factor.float())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.inner(ids).float() * self.factor).to(self.dtype)
+
+
 def smoothing_groups(model: nn.Module) -> Iterator[SmoothGroup]:
     """The groups of a dense decoder, per layer `down_proj` first (its fold edits `gate_up_proj`'s rows,
-    which `gate_up_proj`'s own search must then see)."""
+    which `gate_up_proj`'s own search must then see), then the lm_head."""
+    yield from _layer_groups(model)
+    head, norm = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "norm", None)
+    if isinstance(head, nn.Linear) and isinstance(norm, nn.Module) and hasattr(norm, "weight"):
+        yield SmoothGroup("lm_head", [("lm_head", head)], fold_into_norm(norm))
+
+
+def _layer_groups(model: nn.Module) -> Iterator[SmoothGroup]:
     layers = getattr(getattr(model, "model", None), "layers", None) or []
     for i, layer in enumerate(layers):
         prefix = f"model.layers.{i}"
@@ -131,12 +153,15 @@ def smooth_model(
     samples: dict[str, InputSample],
     skip: Callable[[str], bool] = lambda name: False,
     alphas: tuple[float, ...] = ALPHAS,
+    head_method: WeightMethod | None = None,
 ) -> SmoothReport:
-    """Search and apply input scales for every recognised group whose layers will all be quantized.
+    """Search and apply input scales for every recognised group whose layers will all be quantized
+    (`head_method`, if given, is the lm_head's method).
 
     Scaled layers keep fp32 weights (so the product `W * c` is not rounded twice); quantize them next.
     """
     report = SmoothReport()
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     for group in smoothing_groups(model):
         names = [n for n, _ in group.linears]
         if any(skip(n) or n not in samples for n in names) or (group.producer and skip(group.producer)):
@@ -144,16 +169,22 @@ def smooth_model(
         sample = samples[names[0]]
         dtype = group.linears[0][1].weight.dtype
         weights = [lin.weight.detach().float() for _, lin in group.linears]
-        label, scale, err0, err = search_scale(sample, weights, method, dtype, alphas)
+        m = head_method if group.name == "lm_head" and head_method is not None else method
+        label, scale, err0, err = search_scale(sample, weights, m, dtype, alphas)
         report.chosen[group.name] = (label, err0, err)
         if label == "mean^0":
             continue
         applied = group.fold(1.0 / scale)  # the producer now outputs x * applied
         for name, lin in group.linears:
+            tied = isinstance(embed, nn.Embedding) and embed.weight is lin.weight
             _to_fp32(lin)
             with torch.no_grad():
                 lin.weight /= applied[None, :]
             report.input_factor[name] = applied
+            if tied:
+                table = nn.Embedding.from_pretrained(lin.weight, freeze=True)
+                table.weight = lin.weight  # the very same Parameter: quantized once, shared
+                model.model.embed_tokens = ScaledEmbedding(table, applied, dtype)
     log.info("activation-aware scaling: %s", report.summary())
     return report
 
@@ -242,15 +273,17 @@ def scale_for_quantization(
     dtype: torch.dtype,
     device: torch.device,
     skip: Callable[[str], bool] = lambda name: False,
+    head_method: WeightMethod | None = None,
 ) -> SmoothReport:
-    """Calibrate on `token_ids` (the float model's activations), scale the recognised layers' inputs,
-    then clip the ranges of every decoder-layer linear."""
-    names = decoder_linears(model)
+    """Calibrate on `token_ids` (the float model's activations), scale the recognised layers' inputs
+    (the lm_head's only with a `head_method`), then clip the ranges of grouped (int4) layers."""
+    names = decoder_linears(model) + (["lm_head"] if head_method is not None else [])
     max_pos = getattr(getattr(model, "args", None), "max_pos", WINDOW + 1)
     windows = calibration_windows(token_ids, bos_token_id, min(WINDOW, max_pos - 1))
     samples = collect_inputs(model, windows, names, dtype, device)
-    report = smooth_model(model, method, samples, skip)
-    clip_model(model, method, samples, report, skip)
+    report = smooth_model(model, method, samples, skip, head_method=head_method)
+    if "group_size" in method.options():  # measured: no gain for per-channel int8
+        clip_model(model, method, {n: s for n, s in samples.items() if n != "lm_head"}, report, skip)
     return report
 
 
