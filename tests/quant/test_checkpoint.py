@@ -66,7 +66,7 @@ def load_quantized(path: Path) -> torch.nn.Module:
 @pytest.mark.parametrize(("method", "extra"), CASES)
 def test_quantize_save_load_gives_identical_logits(method, extra, tiny_llama, tmp_path):
     out = tmp_path / method
-    assert main(["quantize", tiny_llama, str(out), "--quantization", method, *extra]) == 0
+    assert main(["quantize", tiny_llama, str(out), "--quantization", method, "--no-calibrate", *extra]) == 0
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     # the float weights are gone: loading cannot re-quantize, it can only use the stored state
@@ -82,6 +82,34 @@ def test_quantize_save_load_gives_identical_logits(method, extra, tiny_llama, tm
     ids = torch.tensor([5, 17, 42, 99, 3, 250, 7, 8, 9])
     assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, QuantLinear)
     assert torch.equal(logits(loaded, ids), logits(reference, ids))
+
+
+@pytest.mark.parametrize(
+    ("method", "extra", "spec"), [("int8", [], "int8:0"), ("int4", ["--group-size", "32"], "int4:32")]
+)
+def test_calibrated_quantize_equals_calibrating_at_load(method, extra, spec, tiny_models, tmp_path):
+    """Offline and at load, the same scaling and clipping: the written checkpoint serves the same logits
+    (int8 unrotated, as compressed-tensors stores it; lm_head in float, as a tied checkpoint needs)."""
+    from edgeinfer.engine.config import EngineConfig
+    from edgeinfer.engine.loading import load_model
+
+    src = tiny_models["gemma3"]  # Gemma's (1 + w) norms and a tied lm_head: the trickiest to write back
+    out = tmp_path / method
+    assert main(["quantize", src, str(out), "--quantization", method, *extra]) == 0
+    cpu = torch.device("cpu")
+    offline = load_model(open_checkpoint(str(out)), torch.float32, cpu)
+    cfg = EngineConfig(model=src, quantization=spec, lm_head_quantization="none")
+    at_load = load_model(open_checkpoint(src), torch.float32, cpu, cfg)
+    plain = load_model(
+        open_checkpoint(src),
+        torch.float32,
+        cpu,
+        EngineConfig(model=src, quantization=spec, lm_head_quantization="none", calibrate_quantization=False),
+    )
+    ids = torch.tensor([5, 17, 42, 99, 3, 250, 7, 8, 9])
+    got, want = logits(offline, ids), logits(at_load, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(logits(plain, ids), want, atol=1e-4)  # calibration really changed the model
 
 
 def test_config_is_compressed_tensors(tiny_llama, tmp_path):

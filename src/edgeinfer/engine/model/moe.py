@@ -16,6 +16,8 @@ from torch import nn
 from edgeinfer.engine.model.layers.activation import get_activation
 from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.routing import RouterSpec, TopKRouter
+from edgeinfer.engine.quant.base import WeightMethod
+from edgeinfer.engine.quant.experts import QuantizedExperts, quantize_expert_weights
 
 # dtypes given to the CPU grouped GEMM; others (fp16) take the per-expert loop.
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
@@ -52,10 +54,20 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = get_activation(act)
 
+    def quantize_weights(self, method: WeightMethod) -> None:
+        """Swap both float stacks for quantized ones (`quantize_model` calls this); every expert is then one
+        quantized matmul over its rows."""
+        for name in ("gate_up_proj", "down_proj"):
+            stacked = quantize_expert_weights(getattr(self, name).detach(), method)
+            delattr(self, name)  # a Parameter slot cannot take a module
+            setattr(self, name, stacked)
+
     @property
     def uses_grouped_mm(self) -> bool:
         """Whether the grouped GEMM runs (decided by the current device, dtype and widths)."""
         w = self.down_proj
+        if isinstance(w, QuantizedExperts):
+            return False
         elem = w.element_size()
         aligned = all(dim * elem % 16 == 0 for dim in w.shape[1:])
         return w.device.type == "cpu" and w.dtype in _GROUPED_MM_DTYPES and aligned
@@ -79,11 +91,13 @@ class FusedExperts(nn.Module):
         """rows [N, in] sorted by expert, `counts[e]` of them for expert e → rows @ w[e].T, [N, out]."""
         if self.uses_grouped_mm:
             return F.grouped_mm(rows, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
-        out = rows.new_empty(rows.shape[0], w.shape[1])
+        quantized = isinstance(w, QuantizedExperts)
+        out = rows.new_empty(rows.shape[0], w.out_features if quantized else w.shape[1])
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                out[start : start + n] = F.linear(rows[start : start + n], w[e])
+                part = rows[start : start + n]
+                out[start : start + n] = w.linear(part, e) if quantized else F.linear(part, w[e])
                 start += n
         return out
 

@@ -45,6 +45,11 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-lm-head", action="store_true", help="also quantize an untied lm_head")
     parser.add_argument("--quantize-embeddings", action="store_true", help="also quantize embedding tables")
     parser.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="round to nearest only (default: activation-aware scaling and clipping on a built-in text)",
+    )
+    parser.add_argument(
         "--skip",
         action="append",
         default=[],
@@ -59,8 +64,13 @@ def run_quantize(args: argparse.Namespace) -> int:
     options = {"group_size": args.group_size} if args.quantization == "int4" else {}
     method = get_weight_method(args.quantization, **options)
     _refuse_existing(args.output)
+    source = open_source(args.input)
+    if not args.no_calibrate:
+        from edgeinfer.engine.quant.calibrated import calibrated_source
+
+        source = calibrated_source(args.input, source, method, args.skip)
     report = quantize_checkpoint(
-        open_source(args.input),
+        source,
         args.output,
         method,
         skip=args.skip,

@@ -45,8 +45,9 @@ class SmoothGroup:
     name: str
     linears: list[tuple[str, nn.Linear]]
     fold: Fold
-    #: the linear layer whose rows `fold` edits (None for a norm): it turns fp32, so it must be quantized too
-    producer: str | None = None
+    #: the module `fold` edits; when it is a linear layer (its rows) it turns fp32, so it must be quantized
+    producer: str
+    producer_is_linear: bool = False
 
 
 @dataclass
@@ -58,6 +59,8 @@ class SmoothReport:
     input_factor: dict[str, torch.Tensor] = field(default_factory=dict)
     #: per clipped layer: the fraction of (row, group) ranges narrowed
     clipped: dict[str, float] = field(default_factory=dict)
+    #: every module whose weight changed (scaled layers, the norms and rows they folded into, clipped layers)
+    changed: set[str] = field(default_factory=set)
 
     def summary(self) -> str:
         if not self.chosen:
@@ -118,7 +121,7 @@ def smoothing_groups(model: nn.Module) -> Iterator[SmoothGroup]:
     yield from _layer_groups(model)
     head, norm = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "norm", None)
     if isinstance(head, nn.Linear) and isinstance(norm, nn.Module) and hasattr(norm, "weight"):
-        yield SmoothGroup("lm_head", [("lm_head", head)], fold_into_norm(norm))
+        yield SmoothGroup("lm_head", [("lm_head", head)], fold_into_norm(norm), "model.norm")
 
 
 def _layer_groups(model: nn.Module) -> Iterator[SmoothGroup]:
@@ -134,17 +137,24 @@ def _layer_groups(model: nn.Module) -> Iterator[SmoothGroup]:
                 [(f"{prefix}.mlp.down_proj", down)],
                 fold_into_rows(gate_up, inter, 2 * inter),  # the `up` half: down's input is act(gate) * up
                 f"{prefix}.mlp.gate_up_proj",
+                producer_is_linear=True,
             )
-            mlp_norm = layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm
+            norm_name = (
+                "pre_feedforward_layernorm"
+                if getattr(layer, "sandwich", False)
+                else "post_attention_layernorm"
+            )
             yield SmoothGroup(
                 f"{prefix}.mlp.gate_up_proj",
                 [(f"{prefix}.mlp.gate_up_proj", gate_up)],
-                fold_into_norm(mlp_norm),
+                fold_into_norm(getattr(layer, norm_name)),
+                f"{prefix}.{norm_name}",
             )
         qkv = getattr(getattr(layer, "self_attn", None), "qkv_proj", None)
         if isinstance(qkv, nn.Linear):
             name = f"{prefix}.self_attn.qkv_proj"
-            yield SmoothGroup(name, [(name, qkv)], fold_into_norm(layer.input_layernorm))
+            norm = f"{prefix}.input_layernorm"
+            yield SmoothGroup(name, [(name, qkv)], fold_into_norm(layer.input_layernorm), norm)
 
 
 def smooth_model(
@@ -164,7 +174,9 @@ def smooth_model(
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     for group in smoothing_groups(model):
         names = [n for n, _ in group.linears]
-        if any(skip(n) or n not in samples for n in names) or (group.producer and skip(group.producer)):
+        if any(skip(n) or n not in samples for n in names) or (
+            group.producer_is_linear and skip(group.producer)
+        ):
             continue
         sample = samples[names[0]]
         dtype = group.linears[0][1].weight.dtype
@@ -175,12 +187,14 @@ def smooth_model(
         if label == "mean^0":
             continue
         applied = group.fold(1.0 / scale)  # the producer now outputs x * applied
+        report.changed.add(group.producer)
         for name, lin in group.linears:
             tied = isinstance(embed, nn.Embedding) and embed.weight is lin.weight
             _to_fp32(lin)
             with torch.no_grad():
                 lin.weight /= applied[None, :]
             report.input_factor[name] = applied
+            report.changed.add(name)
             if tied:
                 table = nn.Embedding.from_pretrained(lin.weight, freeze=True)
                 table.weight = lin.weight  # the very same Parameter: quantized once, shared
@@ -255,6 +269,7 @@ def clip_model(
             continue
         x = sample.rows * report.input_factor.get(name, 1.0)
         weight, report.clipped[name] = clip_weight(method, lin.weight.detach(), x)
+        report.changed.add(name)
         _to_fp32(lin)
         with torch.no_grad():
             lin.weight.copy_(weight)
