@@ -134,6 +134,14 @@ def test_nan_logits_fail_only_that_request():
     assert res.tokens == {"ok": 2} and "bad" in res.errors
 
 
+def test_nan_row_sampled_at_temperature_with_logprobs_fails_alone():
+    """The inverse CDF of a NaN row must still give an index that logprob gathering accepts."""
+    logits = torch.tensor([[0.0, 1.0, 2.0], [float("nan"), 0.0, 1.0]])
+    chunks = [_chunk("ok", temperature=1.0, seed=1, logprobs=1), _chunk("bad", temperature=1.0, logprobs=1)]
+    res = Sampler().sample(logits, chunks)
+    assert set(res.tokens) == {"ok"} and 0 <= res.tokens["ok"] < 3 and "bad" in res.errors
+
+
 @pytest.mark.parametrize(
     "field,value",
     [

@@ -296,7 +296,8 @@ def scale_for_quantization(
 ) -> SmoothReport:
     """Calibrate on `token_ids` (the float model's activations), scale the recognised layers' inputs
     (the lm_head's only with a `head_method`), then clip the ranges of grouped (int4) layers."""
-    names = decoder_linears(model) + (["lm_head"] if head_method is not None else [])
+    has_head = isinstance(getattr(model, "lm_head", None), nn.Linear)  # tied MoE models compute it inline
+    names = decoder_linears(model) + (["lm_head"] if head_method is not None and has_head else [])
     max_pos = getattr(getattr(model, "args", None), "max_pos", WINDOW + 1)
     windows = calibration_windows(token_ids, bos_token_id, min(WINDOW, max_pos - 1))
     samples = collect_inputs(model, windows, names, dtype, device)

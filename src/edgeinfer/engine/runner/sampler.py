@@ -153,7 +153,8 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, width: int = 1024) -> torc
     # the block holds mass > target - before; keep the target strictly inside it despite rounding
     rest = torch.minimum(target - before, inner[:, -1] * (1 - 2**-40))
     j = torch.searchsorted(inner, rest[:, None], right=True).squeeze(-1)
-    return b * width + j
+    # only a NaN row (already failed by `sample`) can land past the end; keep its index gatherable
+    return (b * width + j).clamp_(max=vocab - 1)
 
 
 def _needs_penalties(c: ScheduledChunk) -> bool:
