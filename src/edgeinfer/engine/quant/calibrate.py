@@ -26,6 +26,7 @@ class InputSample:
 
     abs_mean: torch.Tensor  # [in] fp32
     rows: torch.Tensor  # [n, in] fp32
+    dtype: torch.dtype = torch.float32  # what the layer was fed (the search feeds that dtype too)
 
 
 def default_calibration_text() -> str:
@@ -49,8 +50,10 @@ class _Recorder:
         self.abs_sum: torch.Tensor | None = None
         self.count = 0
         self.rows: list[torch.Tensor] = []
+        self.dtype = torch.float32
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.dtype = args[0].dtype
         x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
         total = x.abs().sum(0)
         self.abs_sum = total if self.abs_sum is None else self.abs_sum + total
@@ -60,7 +63,7 @@ class _Recorder:
     def sample(self, max_rows: int) -> InputSample:
         rows = torch.cat(self.rows)
         step = max(1, -(-rows.shape[0] // max_rows))  # evenly spaced rows cover every window
-        return InputSample(self.abs_sum / self.count, rows[::step].contiguous())
+        return InputSample(self.abs_sum / self.count, rows[::step].contiguous(), self.dtype)
 
 
 @torch.no_grad()

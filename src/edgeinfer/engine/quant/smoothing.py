@@ -180,10 +180,9 @@ def smooth_model(
         ):
             continue
         sample = samples[names[0]]
-        dtype = group.linears[0][1].weight.dtype
         weights = [lin.weight.detach().float() for _, lin in group.linears]
         m = head_method if group.name == "lm_head" and head_method is not None else method
-        label, scale, err0, err = search_scale(sample, weights, m, dtype, alphas)
+        label, scale, err0, err = search_scale(sample, weights, m, sample.dtype, alphas)
         report.chosen[group.name] = (label, err0, err)
         if label == "mean^0":
             continue
@@ -199,7 +198,7 @@ def smooth_model(
             if tied:
                 table = nn.Embedding.from_pretrained(lin.weight, freeze=True)
                 table.weight = lin.weight  # the very same Parameter: quantized once, shared
-                model.model.embed_tokens = ScaledEmbedding(table, applied, dtype)
+                model.model.embed_tokens = ScaledEmbedding(table, applied, embed.weight.dtype)
     log.info("activation-aware scaling: %s", report.summary())
     return report
 
