@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from edgeinfer.engine.quant.kv import KVQuantizer, NullKV, get_kv_quantizer
+from edgeinfer.engine.quant.kv import KVQuantizer, NullKV, get_kv_quantizer, take_blocks
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class _Pool:
 
     def gather(self, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.plain:
-            return self.data[block_ids].flatten(-4, -3)
+            return take_blocks(self.data, block_ids).flatten(-4, -3)
         return self.q.gather_blocks(self.data, self.scales, block_ids, dtype)
 
 

@@ -121,11 +121,21 @@ class KVQuantizer(ABC):
         dtype: torch.dtype,
     ) -> torch.Tensor:
         """Dequantized contents of whole blocks: `block_ids [..., n]` -> `[..., n * block_size, H, D]`."""
-        payload = _as_bytes(payload_pool)[block_ids].view(payload_pool.dtype).flatten(-4, -3)
-        return self.dequantize(payload, scale_pool[block_ids].flatten(-4, -3), dtype)
+        payload = take_blocks(_as_bytes(payload_pool), block_ids).view(payload_pool.dtype).flatten(-4, -3)
+        return self.dequantize(payload, take_blocks(scale_pool, block_ids).flatten(-4, -3), dtype)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
+
+
+def take_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """`pool[block_ids]` for a `[num_blocks, ...]` pool: `[*block_ids.shape, ...]`.
+
+    `index_select` on the flattened ids: on CPU 7x faster than advanced indexing for a decode step's gather
+    (32 sequences x 13 blocks of 16 x 256 bf16: 640 -> 92 us, 36 gathers a step on Gemma 3 270M).
+    """
+    rows = torch.index_select(pool, 0, block_ids.reshape(-1))
+    return rows.view(*block_ids.shape, *pool.shape[1:])
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
