@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from edgeinfer.engine.runner.sampler import Sampler, inverse_cdf
+from edgeinfer.engine.runner.sampler import Sampler, greedy_argmax, inverse_cdf
 from edgeinfer.engine.scheduler import ScheduledChunk
 from edgeinfer.types import FinishReason, SamplingParams
 
@@ -204,3 +204,16 @@ def test_inverse_cdf_matches_the_distribution_and_skips_zero_mass():
     # edges: u = 0 gives the first possible id, u just below 1 the last
     edge = inverse_cdf(probs[:1].expand(2, vocab), torch.tensor([0.0, 1 - 1e-9]))
     assert edge.tolist() == [5, 2999]
+
+
+@pytest.mark.parametrize("vocab", [1, 1000, 1024, 5000, 262144])
+def test_greedy_argmax_matches_torch_argmax(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen)
+    # ties across and inside blocks: argmax takes the first; so must the two-level pass
+    logits[1] = 0.0
+    logits[2, [vocab // 3, vocab - 1]] = 50.0
+    logits[3, -1] = 40.0
+    logits[4] = float("-inf")
+    logits[5, vocab // 2] = float("nan")
+    assert torch.equal(greedy_argmax(logits), logits.argmax(-1))

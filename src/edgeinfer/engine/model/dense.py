@@ -14,6 +14,7 @@ from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
 from edgeinfer.engine.model.weights import Shard, load_weights
+from edgeinfer.engine.quant.layers import logits_fp32
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class DenseCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the rows that need them (sampling positions)."""
-        logits = self.lm_head(hidden).float()
+        logits = logits_fp32(self.lm_head, hidden)
         if self.args.final_softcap:
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits

@@ -24,6 +24,7 @@ from edgeinfer.engine.model.mla import MLAShape, MultiLatentAttention
 from edgeinfer.engine.model.moe import MoeSpec, SparseMoeBlock
 from edgeinfer.engine.model.moe_weights import load_moe_weights
 from edgeinfer.engine.model.weights import Shard
+from edgeinfer.engine.quant.layers import logits_fp32
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class MoeCausalLM(nn.Module):
         """fp32 logits for the rows that need them (sampling positions)."""
         if self.args.tie_embeddings:
             return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+        return logits_fp32(self.lm_head, hidden)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named tensors; routed experts per expert (`experts.{e}.gate_proj.weight`, as `save_pretrained`

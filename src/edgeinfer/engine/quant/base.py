@@ -56,6 +56,8 @@ class WeightMethod(ABC):
     name: ClassVar[str]
     #: compressed-tensors `format` of the checkpoint this method writes.
     checkpoint_format: ClassVar[str]
+    #: `apply` quantizes its input itself, so an fp32 input costs nothing and gives fp32 output directly.
+    quantizes_activations: ClassVar[bool] = False
 
     # --- float <-> state -------------------------------------------------------------------------
     @abstractmethod

@@ -87,6 +87,15 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, method={self.method!r}, kernel={self.kernel}"
 
 
+def logits_fp32(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """`head(hidden)` in fp32. A quantized head that quantizes its own input is fed fp32, so its epilogue
+    writes fp32 logits at once: no rounding to the model dtype and no second vocabulary-wide copy (that
+    copy cost 14 ms of a 32-sequence Gemma 3 270M decode step)."""
+    if isinstance(head, QuantLinear) and head.method.quantizes_activations:
+        return head(hidden.float())
+    return head(hidden).float()
+
+
 class QuantEmbedding(nn.Module):
     """An embedding table stored in a method's portable state; looked-up rows are dequantized.
 

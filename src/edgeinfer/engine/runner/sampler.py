@@ -67,7 +67,7 @@ class Sampler:
         if not bool(greedy.any()):  # all random: no argmax, no copy of the rows
             chosen = self._sample_random(logits, chunks)
         else:
-            chosen = logits.argmax(dim=-1)
+            chosen = greedy_argmax(logits)
             if not bool(greedy.all()):
                 rows = (~greedy).nonzero().squeeze(-1)
                 chosen[rows] = self._sample_random(logits[rows], [chunks[i] for i in rows.tolist()])
@@ -134,6 +134,20 @@ class Sampler:
             gen = torch.Generator(device=device).manual_seed(seed)
             self._generators[chunk.request_id] = gen
         return gen
+
+
+def greedy_argmax(logits: torch.Tensor, width: int = 1024) -> torch.Tensor:
+    """`logits.argmax(-1)` (the first index of each row's maximum), in two vectorised passes.
+
+    torch's CPU argmax over a long last dimension runs ~8x slower than `amax` (7 ms vs 1 ms for 32 rows of
+    Gemma's 262k fp32 logits): block maxima pick the first block holding the row maximum, then one argmax
+    inside that block. A NaN is the maximum in both passes, as in `argmax`.
+    """
+    rows, vocab = logits.shape
+    pad = (-vocab) % width
+    blocks = (F.pad(logits, (0, pad), value=float("-inf")) if pad else logits).view(rows, -1, width)
+    b = blocks.amax(-1).argmax(-1)
+    return b * width + blocks[torch.arange(rows, device=logits.device), b].argmax(-1)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, width: int = 1024) -> torch.Tensor:
