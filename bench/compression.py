@@ -38,12 +38,12 @@ from docs_table import replace_section
 
 WEIGHTS = {"bf16": None, "int8": "int8", "int4": "int4", "fp8": "fp8"}  # label → --quantization
 # Quality-only rows (bf16 KV) that locate the error: int8 without the Hadamard rotation, int4 with the
-# smallest group size or an int4 lm_head, and both methods without calibration (scaling, clipping).
+# largest group size or an int4 lm_head, and both methods without calibration (scaling, clipping).
 # label → (--quantization, lm_head_quantization, calibrate)
 EXTRAS = {
     "int8, no rotation": ("int8:0", "auto", True),
     "int8, uncalibrated": ("int8", "auto", False),
-    "int4:32": ("int4:32", "auto", True),
+    "int4:128": ("int4:128", "auto", True),
     "int4, lm_head int4": ("int4", "int4", True),
     "int4, uncalibrated": ("int4", "auto", False),
 }
@@ -214,9 +214,9 @@ def header(meta: dict, ref_ppl: float, tokens: int, args: argparse.Namespace) ->
         "in nats. Weights are scaled per input channel before quantizing (activation-aware, searched "
         "per layer on the package's own calibration text, not the eval text; see docs/quantization.md). "
         "int8: inputs rotated by 128-wide Hadamard blocks (`int8:0`: not). "
-        "int4: groups of 128 with the tied embedding / lm_head in int8 (as Q4_K_M keeps it in Q8_0); "
+        "int4: groups of 32 with the tied embedding / lm_head in int8 (as Q4_K_M keeps it in Q8_0); "
         "int8 and fp8 quantize the lm_head with their own method. Extra rows locate the error: "
-        "`no rotation`, `int4:32` (groups of 32), `lm_head int4`, `uncalibrated` (no input scaling, "
+        "`no rotation`, `int4:128` (groups of 128), `lm_head int4`, `uncalibrated` (no input scaling, "
         "no clipping).",
         "",
         f"Decode: {args.concurrency} concurrent requests, {args.prompt_len}-token random prompts, "

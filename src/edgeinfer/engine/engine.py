@@ -13,7 +13,6 @@ import torch
 from edgeinfer.engine.attention import KVCacheStorage
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.errors import EngineInputError
-from edgeinfer.engine.host_memory import retain_freed_memory
 from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, resolve_dtype
 from edgeinfer.engine.model.compile import compile_decoder_layers
@@ -85,9 +84,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, storage, self.device, vocab_limit=self.tokenizer.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        # after loading, whose large temporaries should go back to the OS; serving reuses its own
-        if self.device.type == "cpu":
-            retain_freed_memory()
         log.info(
             "engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), context %d",
             config.model,

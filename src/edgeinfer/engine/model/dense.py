@@ -127,11 +127,12 @@ class DenseCausalLM(nn.Module):
             x = layer(x, positions, backend)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits for the rows that need them (sampling positions)."""
-        logits = logits_fp32(self.lm_head, hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits for the rows that need them (sampling positions), into `out` if given."""
+        logits = logits_fp32(self.lm_head, hidden, out)
         if self.args.final_softcap:
-            logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
+            cap = self.args.final_softcap  # in place: `logits` may be the caller's buffer
+            logits = logits.div_(cap).tanh_().mul_(cap)
         return logits
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -114,11 +114,12 @@ class MoeCausalLM(nn.Module):
             x = layer(x, positions, backend)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits for the rows that need them (sampling positions)."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits for the rows that need them (sampling positions), into `out` if given."""
         if self.args.tie_embeddings:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return logits_fp32(self.lm_head, hidden)
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+            return logits.float() if out is None else out.copy_(logits)
+        return logits_fp32(self.lm_head, hidden, out)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named tensors; routed experts per expert (`experts.{e}.gate_proj.weight`, as `save_pretrained`

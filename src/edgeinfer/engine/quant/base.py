@@ -85,6 +85,12 @@ class WeightMethod(ABC):
     def apply(self, weight: PreparedWeight, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T` for one (non-stacked) weight: `x` is `[M, in]`, the result `[M, out]` in `x.dtype`."""
 
+    def apply_into(self, weight: PreparedWeight, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`apply` writing into `out` (`[M, out]`, any float dtype): a caller's buffer reused across steps,
+        so a large result's pages are not faulted in afresh each time. Methods whose kernel allocates
+        its result copy it in."""
+        return out.copy_(self.apply(weight, x))
+
     @abstractmethod
     def kernel_for(self, weight: PreparedWeight, num_tokens: int) -> str:
         """Name of the code path `apply` takes for `num_tokens` rows (e.g. `int_mm` or `dequant`)."""

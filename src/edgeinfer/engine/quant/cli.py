@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from edgeinfer.engine.quant.base import QuantizationError, get_weight_method, weight_methods
-from edgeinfer.engine.quant.int4 import GROUP_SIZES
+from edgeinfer.engine.quant.int4 import DEFAULT_GROUP_SIZE, GROUP_SIZES
 from edgeinfer.engine.quant.io import CheckpointSource, source_from_dir
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,9 @@ def _add_io(parser: argparse.ArgumentParser, what: str) -> None:
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     _add_io(parser, "quantized")
     parser.add_argument("--quantization", "-q", required=True, choices=weight_methods(), help="weight method")
-    parser.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES, help="int4 group size")
+    parser.add_argument(
+        "--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=GROUP_SIZES, help="int4 group size"
+    )
     parser.add_argument("--quantize-lm-head", action="store_true", help="also quantize an untied lm_head")
     parser.add_argument("--quantize-embeddings", action="store_true", help="also quantize embedding tables")
     parser.add_argument(

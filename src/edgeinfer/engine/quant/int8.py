@@ -117,20 +117,29 @@ class Int8Method(ChannelwiseMethod):
         return "int_mm" if ok else "dequant"
 
     def apply(self, weight: PreparedWeight, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(weight, x, None)
+
+    def apply_into(self, weight: PreparedWeight, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self._matmul(weight, x, out)
+
+    def _matmul(self, weight: PreparedWeight, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         t = weight.tensors
         w_kn = t["weight_t"] if "weight_t" in t else t["weight"].t()  # [K, N], either layout
         w_scale = t["weight_scale"]
         xr = self.rotate(x)
         if self.kernel_for(weight, x.shape[0]) == "dequant":
             # weight-only fallback: the per-channel scale commutes with the matmul, apply it to the output
-            return ((xr.to(x.dtype) @ w_kn.to(x.dtype)).float() * w_scale).to(x.dtype)
+            y = ((xr.to(x.dtype) @ w_kn.to(x.dtype)).float() * w_scale).to(x.dtype)
+            return y if out is None else out.copy_(y)
         xq, x_scale = quantize_rows_int8(xr)
         n = weight.out_features
         block = max(_MIN_BLOCK, _EPILOGUE_ELEMS // max(1, x.shape[0]))
         if n <= block:
-            return torch._int_mm(xq, w_kn).float().mul_(x_scale).mul_(w_scale).to(x.dtype)
+            y = torch._int_mm(xq, w_kn).float().mul_(x_scale).mul_(w_scale)
+            return y.to(x.dtype) if out is None else out.copy_(y)
         # wide outputs (lm_head): column blocks keep the int32 -> scaled float epilogue in cache
-        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        if out is None:
+            out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
         for s in range(0, n, block):
             acc, part = torch._int_mm(xq, w_kn[:, s : s + block]), out[:, s : s + block]
             if out.dtype == torch.float32:  # convert by copy_ and scale in place: 30 % less epilogue

@@ -37,6 +37,7 @@ class ModelRunner:
         self.backend = get_attention_backend(backend, storage)
         self.sampler = Sampler(vocab_limit)
         self.num_steps = 0
+        self._logits: torch.Tensor | None = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -49,12 +50,22 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, self.backend)
         out = RunnerOutput()
         if inp.sample_rows:
-            logits = self.model.compute_logits(hidden[inp.sample_rows])
+            rows = hidden[inp.sample_rows]
+            logits = self.model.compute_logits(rows, self._logits_buffer(len(inp.sample_rows)))
             res = self.sampler.sample(logits, inp.sample_chunks)
             out.tokens, out.logprobs, out.errors = res.tokens, res.logprobs, res.errors
         if inp.prompt_logprob_rows:
             out.prompt_logprobs = self._prompt_logprobs(hidden, inp)
         return out
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
+        """fp32 `[rows, vocab]`, reused across steps (the sampler keeps nothing past a step). A fresh
+        32 x 262k block (33 MB, above glibc's largest mmap threshold) was mapped and page-faulted anew
+        every step: allocating and filling it took 15 ms on this CPU against 1.5 ms for reused memory."""
+        if self._logits is None or self._logits.shape[0] < rows:
+            vocab = self.model.args.vocab_size
+            self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
+        return self._logits[:rows]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> dict[str, list[TokenLogprob]]:
         result = {}
