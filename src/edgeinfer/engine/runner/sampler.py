@@ -145,7 +145,7 @@ def greedy_argmax(logits: torch.Tensor, width: int = 1024) -> torch.Tensor:
     """
     rows, vocab = logits.shape
     pad = (-vocab) % width
-    blocks = (F.pad(logits, (0, pad), value=float("-inf")) if pad else logits).view(rows, -1, width)
+    blocks = (F.pad(logits, (0, pad), value=float("-inf")) if pad else logits).reshape(rows, -1, width)
     b = blocks.amax(-1).argmax(-1)
     return b * width + blocks[torch.arange(rows, device=logits.device), b].argmax(-1)
 
