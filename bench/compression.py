@@ -37,15 +37,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 from docs_table import replace_section
 
 WEIGHTS = {"bf16": None, "int8": "int8", "int4": "int4", "fp8": "fp8"}  # label → --quantization
-# Quality-only rows (bf16 KV) that locate the error: int8 without the Hadamard rotation, int4 with the
-# largest group size or an int4 lm_head, and both methods without calibration (scaling, clipping).
-# label → (--quantization, lm_head_quantization, calibrate)
+GPTQ_TEXT = "enwiki"  # the int4 row is rounded by GPTQ calibrated on this text (quant/gptq.py)
+# Quality-only rows (bf16 KV) that locate the error: int8 without the Hadamard rotation, int4 rounded to
+# nearest (after the same scaling and clipping), with the largest group size or an int4 lm_head, and
+# both methods without calibration (scaling, clipping).
+# label → (--quantization, lm_head_quantization, calibrate, GPTQ text)
 EXTRAS = {
-    "int8, no rotation": ("int8:0", "auto", True),
-    "int8, uncalibrated": ("int8", "auto", False),
-    "int4:128": ("int4:128", "auto", True),
-    "int4, lm_head int4": ("int4", "int4", True),
-    "int4, uncalibrated": ("int4", "auto", False),
+    "int8, no rotation": ("int8:0", "auto", True, None),
+    "int8, uncalibrated": ("int8", "auto", False, None),
+    "int4, round to nearest": ("int4", "auto", True, None),
+    "int4:128": ("int4:128", "auto", True, None),
+    "int4, lm_head int4": ("int4", "int4", True, None),
+    "int4, uncalibrated": ("int4", "auto", False, None),
 }
 KV = {"bf16": "auto", "int8": "int8", "fp8": "fp8_e4m3", "int4": "int4"}  # label → --kv-cache-dtype
 DECODE_RUNS = [(w, "bf16") for w in WEIGHTS] + [("bf16", "int8"), ("bf16", "int4")]
@@ -72,7 +75,8 @@ def seqs_in_budget(per_token: int) -> int:
 
 
 def make_engine(model: str, weights: str, kv: str, args: argparse.Namespace) -> LLMEngine:
-    quantization, lm_head, calibrate = EXTRAS.get(weights, (WEIGHTS.get(weights), "auto", True))
+    default = (WEIGHTS.get(weights), "auto", True, GPTQ_TEXT if weights == "int4" else None)
+    quantization, lm_head, calibrate, gptq = EXTRAS.get(weights, default)
     per_seq = -(-(args.prompt_len + args.new_tokens) // BLOCK)
     return LLMEngine(
         EngineConfig(
@@ -81,6 +85,7 @@ def make_engine(model: str, weights: str, kv: str, args: argparse.Namespace) -> 
             quantization=quantization,
             lm_head_quantization=lm_head,
             calibrate_quantization=calibrate,
+            gptq_calibration=gptq,
             kv_cache_dtype=KV[kv],
             num_kv_blocks=args.concurrency * per_seq + 8,
             max_num_seqs=args.concurrency,
@@ -214,10 +219,12 @@ def header(meta: dict, ref_ppl: float, tokens: int, args: argparse.Namespace) ->
         "in nats. Weights are scaled per input channel before quantizing (activation-aware, searched "
         "per layer on the package's own calibration text, not the eval text; see docs/quantization.md). "
         "int8: inputs rotated by 128-wide Hadamard blocks (`int8:0`: not). "
-        "int4: groups of 32 with the tied embedding / lm_head in int8 (as Q4_K_M keeps it in Q8_0); "
-        "int8 and fp8 quantize the lm_head with their own method. Extra rows locate the error: "
-        "`no rotation`, `int4:128` (groups of 128), `lm_head int4`, `uncalibrated` (no input scaling, "
-        "no clipping).",
+        "int4: groups of 32 with the tied embedding / lm_head in int8 (as Q4_K_M keeps it in Q8_0), "
+        f"rounded by GPTQ calibrated on {GPTQ_TEXT!r} (32,768 tokens of Wikipedia prose from gensim's "
+        "test data, `--gptq enwiki`); int8 and fp8 quantize the lm_head with their own method. Extra "
+        "rows locate the error: `no rotation`, `round to nearest` (int4 without GPTQ, the load-time "
+        "default), `int4:128` (groups of 128), `lm_head int4`, `uncalibrated` (no input scaling, "
+        "no clipping, no GPTQ).",
         "",
         f"Decode: {args.concurrency} concurrent requests, {args.prompt_len}-token random prompts, "
         f"{args.new_tokens} new tokens each (EOS ignored); tok/s of the steps after the shared "

@@ -5,6 +5,7 @@ and gives the same logits as quantizing the float model at load; plus the compre
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -85,20 +86,37 @@ def test_quantize_save_load_gives_identical_logits(method, extra, tiny_llama, tm
 
 
 @pytest.mark.parametrize(
-    ("method", "extra", "spec"), [("int8", [], "int8:0"), ("int4", ["--group-size", "32"], "int4:32")]
+    ("method", "extra", "spec", "gptq"),
+    [
+        ("int8", [], "int8:0", False),
+        ("int4", ["--group-size", "32"], "int4:32", False),
+        ("int4", ["--group-size", "32"], "int4:32", True),
+    ],
 )
-def test_calibrated_quantize_equals_calibrating_at_load(method, extra, spec, tiny_models, tmp_path):
-    """Offline and at load, the same scaling and clipping: the written checkpoint serves the same logits
-    (int8 unrotated, as compressed-tensors stores it; lm_head in float, as a tied checkpoint needs)."""
+def test_calibrated_quantize_equals_calibrating_at_load(method, extra, spec, gptq, tiny_models, tmp_path):
+    """Offline and at load, the same scaling and clipping (and GPTQ rounding, whose fused layers' states are
+    split into the checkpoint's parts): the written checkpoint serves the same logits (int8 unrotated, as
+    compressed-tensors stores it; lm_head in float, as a tied checkpoint needs)."""
     from edgeinfer.engine.config import EngineConfig
     from edgeinfer.engine.loading import load_model
+    from edgeinfer.engine.quant.calibrate import default_calibration_text
 
     src = tiny_models["gemma3"]  # Gemma's (1 + w) norms and a tied lm_head: the trickiest to write back
     out = tmp_path / method
+    text = None
+    if gptq:
+        text = tmp_path / "calibration.txt"
+        text.write_text(default_calibration_text() * 2)
+        extra = [*extra, "--gptq", str(text)]
     assert main(["quantize", src, str(out), "--quantization", method, *extra]) == 0
     cpu = torch.device("cpu")
     offline = load_model(open_checkpoint(str(out)), torch.float32, cpu)
-    cfg = EngineConfig(model=src, quantization=spec, lm_head_quantization="none")
+    cfg = EngineConfig(
+        model=src,
+        quantization=spec,
+        lm_head_quantization="none",
+        gptq_calibration=None if text is None else str(text),
+    )
     at_load = load_model(open_checkpoint(src), torch.float32, cpu, cfg)
     plain = load_model(
         open_checkpoint(src),
@@ -110,6 +128,9 @@ def test_calibrated_quantize_equals_calibrating_at_load(method, extra, spec, tin
     got, want = logits(offline, ids), logits(at_load, ids)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(logits(plain, ids), want, atol=1e-4)  # calibration really changed the model
+    if gptq:  # and GPTQ rounded differently from rounding to nearest after the same scaling
+        rounded = load_model(open_checkpoint(src), torch.float32, cpu, replace(cfg, gptq_calibration=None))
+        assert not torch.allclose(logits(rounded, ids), want, atol=1e-4)
 
 
 def test_config_is_compressed_tensors(tiny_llama, tmp_path):

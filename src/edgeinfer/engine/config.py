@@ -37,6 +37,11 @@ class EngineConfig:
     # With `quantization` on a float checkpoint: scale layer inputs by activations measured on a short
     # built-in text before quantizing (quant/smoothing.py); a few seconds at load.
     calibrate_quantization: bool = True
+    # int4 with calibration: round the decoder layers by GPTQ (quant/gptq.py) on this text instead of to
+    # nearest: `enwiki` (Wikipedia prose from gensim's test data) or a UTF-8 file. On Gemma 3 270M the
+    # perplexity rise goes +14.8 % -> +10.8 % (docs/quantization.md); it costs ~2 minutes at load on 2
+    # cores, so for serving quantize once with `edgeinfer quantize --gptq`.
+    gptq_calibration: str | None = None
     # torch.compile the dense decoder layers' non-attention parts (model/compile.py). Needs a C++
     # compiler; the first steps compile for 10-20 s; falls back to eager with a warning. Measured on
     # Gemma 3 270M int4, 1 thread: 6 % faster at one sequence, nothing at 32, and inductor's fp32
@@ -53,5 +58,10 @@ class EngineConfig:
             raise ValueError("batch_window_ms must be >= 0")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r} (fcfs, priority)")
+        if self.gptq_calibration is not None:
+            if not (self.quantization or "").startswith("int4"):
+                raise ValueError(f"gptq_calibration is for int4 weights, not {self.quantization}")
+            if not self.calibrate_quantization:
+                raise ValueError("gptq_calibration needs calibrate_quantization (GPTQ rounds after scaling)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")

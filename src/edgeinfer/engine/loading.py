@@ -15,7 +15,7 @@ from edgeinfer.engine.model.loader.base import cast_floating
 from edgeinfer.engine.model.registry import build_model
 from edgeinfer.engine.quant.apply import quantize_model
 from edgeinfer.engine.quant.base import WeightMethod, get_weight_method
-from edgeinfer.engine.quant.calibrate import default_calibration_text
+from edgeinfer.engine.quant.calibrate import calibration_ids
 from edgeinfer.engine.quant.checkpoint import QuantizationConfig, apply_quantized_checkpoint
 from edgeinfer.engine.quant.kv import get_kv_quantizer
 from edgeinfer.engine.quant.smoothing import scale_for_quantization
@@ -80,19 +80,25 @@ def _quantize_float_model(
 ) -> None:
     method = parse_quantization(config.quantization or "")
     head = head_method(config.lm_head_quantization, method)
+    states: dict[str, dict[str, torch.Tensor]] = {}
     if config.calibrate_quantization:
         from edgeinfer.engine.tokenizer import Tokenizer  # the tokenizer pulls in transformers
 
         tok = Tokenizer.from_checkpoint(ckpt)
-        ids = tok.encode(default_calibration_text(), add_special_tokens=False)
+        gptq = config.gptq_calibration
+        ids = calibration_ids(tok, gptq)
         with torch.no_grad():
-            scale_for_quantization(model, method, ids, tok.bos_token_id, dtype, device, head_method=head)
+            report = scale_for_quantization(
+                model, method, ids, tok.bos_token_id, dtype, device, head_method=head, gptq=gptq is not None
+            )
+        states = report.states
     quantize_model(
         model,
         method,
         quantize_lm_head=head is not None,
         quantize_embeddings=head is not None,
         head_method=head,
+        states=states,
     )
 
 

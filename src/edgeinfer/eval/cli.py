@@ -40,6 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=True,
         help="activation-aware input scaling before quantizing (default yes)",
     )
+    p.add_argument(
+        "--gptq",
+        default=None,
+        metavar="TEXT",
+        help="round int4 weights by GPTQ calibrated on TEXT: enwiki (Wikipedia prose in gensim's test "
+        "data) or a UTF-8 file (default: round to nearest)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
     p.add_argument(
         "--text",
@@ -73,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         baseline_quantization=args.baseline_quantization,
         lm_head_quantization=args.lm_head_quantization,
         calibrate=args.calibrate,
+        gptq=args.gptq,
         dtype=args.dtype,
         text=args.text,
         tokens=args.tokens,

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class EvalSettings:
     """What `edgeinfer eval` measures. `quantization` / `baseline_quantization`: None is unquantized;
     `lm_head_quantization` and `calibrate`: as EngineConfig's `lm_head_quantization` and
-    `calibrate_quantization`, for both sides;
+    `calibrate_quantization`, for both sides; `gptq`: EngineConfig's `gptq_calibration`;
     `stride` None is `window // 2`."""
 
     model: str = DEFAULT_MODEL
@@ -35,6 +35,7 @@ class EvalSettings:
     baseline_quantization: str | None = None
     lm_head_quantization: str = "auto"
     calibrate: bool = True
+    gptq: str | None = None
     dtype: str = "bfloat16"
     text: str = DEFAULT_TEXT
     tokens: int = 1024
@@ -62,6 +63,8 @@ class EvalSettings:
             if q is not None:
                 parse_quantization(q)
         get_kv_quantizer(self.kv_cache_dtype)
+        if self.gptq is not None and not (self.quantization or "").startswith("int4"):
+            raise ValueError(f"--gptq rounds int4 weights; the weights here are {self.quantization}")
 
     @property
     def effective_stride(self) -> int:
@@ -78,6 +81,7 @@ def build_engine(settings: EvalSettings, quantization: str | None, kv_cache_dtyp
             quantization=quantization,
             lm_head_quantization=settings.lm_head_quantization,
             calibrate_quantization=settings.calibrate,
+            gptq_calibration=settings.gptq if quantization else None,
             kv_cache_dtype=kv_cache_dtype,
             block_size=BLOCK_SIZE,
             num_kv_blocks=max(1, settings.prefixes) * per_seq + 1,

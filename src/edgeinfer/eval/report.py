@@ -19,6 +19,7 @@ class ModelSide:
     quantization: str | None
     lm_head_quantization: str
     calibrated: bool
+    gptq: str | None
     kv_cache_dtype: str
     weight_bytes: int
     kv_bytes_per_token: int
@@ -31,6 +32,7 @@ class ModelSide:
             quantization,
             cfg.lm_head_quantization,
             cfg.calibrate_quantization,
+            cfg.gptq_calibration,
             cfg.kv_cache_dtype,
             layout.weight_bytes,
             layout.kv_bytes_per_token,
@@ -42,6 +44,8 @@ class ModelSide:
             return f"weights unquantized, KV {self.kv_cache_dtype}"
         head = "" if self.lm_head_quantization == "auto" else f", lm_head {self.lm_head_quantization}"
         calibrated = "" if self.calibrated else ", uncalibrated"
+        if self.gptq:
+            calibrated = f", GPTQ on {self.gptq}"
         return f"weights {self.quantization}{head}{calibrated}, KV {self.kv_cache_dtype}"
 
 

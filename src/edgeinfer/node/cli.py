@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--no-calibrate", action="store_true", help="quantize without activation-aware input scaling"
     )
+    engine.add_argument(
+        "--gptq",
+        default=None,
+        metavar="TEXT",
+        help="int4: round by GPTQ calibrated on TEXT (enwiki or a file); minutes at load, see quantize",
+    )
     engine.add_argument("--kv-cache-dtype", default="auto")
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument(
@@ -181,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         lm_head_quantization=args.lm_head_quantization,
         calibrate_quantization=not args.no_calibrate,
+        gptq_calibration=args.gptq,
         compile=args.compile,
         kv_cache_dtype=args.kv_cache_dtype,
     )

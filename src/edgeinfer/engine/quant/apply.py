@@ -42,6 +42,7 @@ def quantize_model(
     quantize_embeddings: bool = False,
     head_method: str | WeightMethod | None = None,
     device: torch.device | str | None = None,
+    states: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> nn.Module:
     """Replace the model's `nn.Linear` modules with `QuantLinear` in place; return the model.
 
@@ -49,6 +50,7 @@ def quantize_model(
     when both are quantized and share one tensor (tied weights), int8/fp8 layers share one quantized copy.
     `head_method` (default: `method`) quantizes the lm_head and embeddings, so an int4 model can keep an
     int8 output layer as llama.cpp's Q4_K_M keeps its token embedding in Q8_0.
+    `states` maps module names to states already quantized with `method` (GPTQ's), used as they are.
     Quantize after the model is on its serving device (the CPU int4 layout is built for the CPU it runs on).
     A module holding weights of another shape (fused `[E, out, in]` experts) joins in by defining
     `quantize_weights(method)`, typically swapping its parameters for `quantize_expert_weights(...)`.
@@ -56,7 +58,8 @@ def quantize_model(
     m = get_weight_method(method)
     head = m if head_method is None else get_weight_method(head_method)
     skipped = make_skip(skip)
-    states: dict[tuple, dict[str, torch.Tensor]] = {}  # (weight, method) -> its state (tied weights)
+    given = states or {}
+    cache: dict[tuple, dict[str, torch.Tensor]] = {}  # (weight, method) -> its state (tied weights)
     replaced = 0
     for name, module in list(model.named_modules()):
         if not name or skipped(name):
@@ -70,11 +73,11 @@ def quantize_model(
             if is_lm_head(name) and not quantize_lm_head:
                 continue
             lm = head if is_lm_head(name) else m
-            state = _state_for(lm, module.weight, states)
+            state = given[name] if name in given else _state_for(lm, module.weight, cache)
             dev = device if device is not None else module.weight.device
             new: nn.Module = QuantLinear(lm, lm.prepare(state, dev), module.bias)
         elif isinstance(module, nn.Embedding) and quantize_embeddings:
-            new = QuantEmbedding(head, _state_for(head, module.weight, states), module.weight.dtype)
+            new = QuantEmbedding(head, _state_for(head, module.weight, cache), module.weight.dtype)
         else:
             continue
         set_submodule(model, name, new)

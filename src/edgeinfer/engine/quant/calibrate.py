@@ -10,27 +10,49 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from edgeinfer.engine.attention.oneshot import prefill_hidden
 
+if TYPE_CHECKING:
+    from edgeinfer.engine.tokenizer import Tokenizer
+
 WINDOW = 512  # tokens per calibration prefill
 MAX_ROWS = 256  # input rows kept per layer for the scale search (the mean uses every row)
+GPTQ_TOKENS = 32768  # calibration tokens for GPTQ's Hessians
 
 
 @dataclass
 class InputSample:
-    """What one linear layer was fed: per-channel mean |x| over every row, and a subset of the rows."""
+    """What one linear layer was fed: per-channel mean |x| over every row, a subset of the rows, and
+    (when asked for, for GPTQ) `X^T X` over every row."""
 
     abs_mean: torch.Tensor  # [in] fp32
     rows: torch.Tensor  # [n, in] fp32
     dtype: torch.dtype = torch.float32  # what the layer was fed (the search feeds that dtype too)
+    hessian: torch.Tensor | None = None  # [in, in] fp32
 
 
 def default_calibration_text() -> str:
     return resources.files("edgeinfer.engine.quant").joinpath("data/calibration.txt").read_text("utf-8")
+
+
+def calibration_ids(tokenizer: Tokenizer, gptq_text: str | None) -> list[int]:
+    """Token ids to calibrate on: the built-in text, or with GPTQ the first `GPTQ_TOKENS` of its text
+    (`enwiki` or a file; a layer's Hessian needs many more rows than the scale search)."""
+    if gptq_text is None:
+        return tokenizer.encode(default_calibration_text(), add_special_tokens=False)
+    from edgeinfer.eval.corpus import load_text
+
+    ids: list[int] = []
+    for doc in load_text(gptq_text).documents:  # tokenized a document at a time: only what is needed
+        ids.extend(tokenizer.encode(doc + "\n", add_special_tokens=False))
+        if len(ids) >= GPTQ_TOKENS:
+            return ids[:GPTQ_TOKENS]
+    return ids
 
 
 def calibration_windows(
@@ -44,39 +66,46 @@ def calibration_windows(
 
 
 class _Recorder:
-    """Forward hook accumulating one layer's inputs."""
+    """Forward hook accumulating one layer's inputs: every `keep_every`-th row is kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_every: int, hessian: bool) -> None:
+        self.keep_every = keep_every
         self.abs_sum: torch.Tensor | None = None
         self.count = 0
         self.rows: list[torch.Tensor] = []
         self.dtype = torch.float32
+        self.hessian: torch.Tensor | None = None
+        self.want_hessian = hessian
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         self.dtype = args[0].dtype
         x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
         total = x.abs().sum(0)
         self.abs_sum = total if self.abs_sum is None else self.abs_sum + total
+        first = -self.count % self.keep_every  # rows evenly spaced over the whole stream
+        self.rows.append(x[first :: self.keep_every].clone())
         self.count += x.shape[0]
-        self.rows.append(x)
+        if self.want_hessian:
+            self.hessian = x.t() @ x if self.hessian is None else self.hessian.addmm_(x.t(), x)
 
-    def sample(self, max_rows: int) -> InputSample:
-        rows = torch.cat(self.rows)
-        step = max(1, -(-rows.shape[0] // max_rows))  # evenly spaced rows cover every window
-        return InputSample(self.abs_sum / self.count, rows[::step].contiguous(), self.dtype)
+    def sample(self) -> InputSample:
+        return InputSample(self.abs_sum / self.count, torch.cat(self.rows), self.dtype, self.hessian)
 
 
 @torch.no_grad()
 def collect_inputs(
     model: nn.Module,
-    windows: Iterable[Sequence[int]],
+    windows: Sequence[Sequence[int]],
     layer_names: Iterable[str],
     dtype: torch.dtype,
     device: torch.device,
     max_rows: int = MAX_ROWS,
+    hessians: bool = False,
 ) -> dict[str, InputSample]:
-    """Run the float model over `windows` and return the inputs of the named linear layers."""
-    recorders = {name: _Recorder() for name in layer_names}
+    """Run the float model over `windows` and return the inputs of the named linear layers (with
+    `hessians`, also `X^T X` of each decoder layer's inputs; not the lm_head's, which GPTQ leaves alone)."""
+    keep_every = max(1, -(-sum(len(w) for w in windows) // max_rows))
+    recorders = {name: _Recorder(keep_every, hessians and name != "lm_head") for name in layer_names}
     modules = dict(model.named_modules())
     handles = [modules[name].register_forward_hook(rec) for name, rec in recorders.items()]
     head = recorders.get("lm_head")  # the lm_head runs outside forward: it is fed the final hidden states
@@ -88,4 +117,4 @@ def collect_inputs(
     finally:
         for h in handles:
             h.remove()
-    return {name: rec.sample(max_rows) for name, rec in recorders.items() if rec.count}
+    return {name: rec.sample() for name, rec in recorders.items() if rec.count}

@@ -19,7 +19,7 @@ from torch import nn
 
 from edgeinfer.engine.quant.apply import SkipRule, make_skip
 from edgeinfer.engine.quant.base import WeightMethod
-from edgeinfer.engine.quant.calibrate import default_calibration_text
+from edgeinfer.engine.quant.calibrate import calibration_ids
 from edgeinfer.engine.quant.io import CheckpointSource
 from edgeinfer.engine.quant.smoothing import scale_for_quantization
 
@@ -27,9 +27,14 @@ log = logging.getLogger(__name__)
 
 
 def calibrated_source(
-    spec: str, source: CheckpointSource, method: WeightMethod, skip: SkipRule = None
+    spec: str,
+    source: CheckpointSource,
+    method: WeightMethod,
+    skip: SkipRule = None,
+    gptq: str | None = None,
 ) -> CheckpointSource:
-    """`source` with the tensors that calibration changed replaced (fp32); `skip`ped modules untouched."""
+    """`source` with the tensors that calibration changed replaced (fp32); `skip`ped modules untouched.
+    With `gptq` (its calibration text), int4 decoder layers carry GPTQ's states instead."""
     from edgeinfer.engine.loading import load_model
     from edgeinfer.engine.model.loader import open_checkpoint
     from edgeinfer.engine.tokenizer import Tokenizer
@@ -38,15 +43,16 @@ def calibrated_source(
     cpu = torch.device("cpu")
     model = load_model(ckpt, torch.float32, cpu)
     tok = Tokenizer.from_checkpoint(ckpt)
-    ids = tok.encode(default_calibration_text(), add_special_tokens=False)
+    ids = calibration_ids(tok, gptq)
     with torch.no_grad():
         report = scale_for_quantization(
-            model, method, ids, tok.bos_token_id, torch.float32, cpu, make_skip(skip)
+            model, method, ids, tok.bos_token_id, torch.float32, cpu, make_skip(skip), gptq=gptq is not None
         )
     log.info("calibration changed %d modules", len(report.changed))
-    replacements = dict(checkpoint_tensors(model, report.changed))
+    replacements = dict(checkpoint_tensors(model, report.changed - set(report.states)))
+    states = dict(checkpoint_states(model, method, report.states))
     tensors = ((name, replacements.get(name, t)) for name, t in source.tensors)
-    return CheckpointSource(source.label, source.config, tensors, source.side_dir)
+    return CheckpointSource(source.label, source.config, tensors, source.side_dir, states)
 
 
 def checkpoint_tensors(model: nn.Module, modules: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -66,6 +72,24 @@ def checkpoint_tensors(model: nn.Module, modules: set[str]) -> Iterator[tuple[st
             for part, rows in parts:
                 yield f"{name.rsplit('.', 1)[0]}.{part}.{param}", t[start : start + rows].clone()
                 start += rows
+
+
+def checkpoint_states(
+    model: nn.Module, method: WeightMethod, states: dict[str, dict[str, torch.Tensor]]
+) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """(checkpoint module, state) of quantized `states`, fused layers' states split into their parts
+    (row ranges of the unpacked codes and scales, repacked)."""
+    for name, state in sorted(states.items()):
+        parts = _parts(model, name)
+        if not parts:
+            yield name, state
+            continue
+        unpacked = method.unpack(state)
+        start = 0
+        for part, rows in parts:
+            piece = {k: v[start : start + rows] for k, v in unpacked.items()}
+            yield f"{name.rsplit('.', 1)[0]}.{part}", method.pack(piece)
+            start += rows
 
 
 def _parts(model: nn.Module, name: str) -> list[tuple[str, int]]:

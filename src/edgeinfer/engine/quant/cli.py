@@ -52,6 +52,13 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         help="round to nearest only (default: activation-aware scaling and clipping on a built-in text)",
     )
     parser.add_argument(
+        "--gptq",
+        default=None,
+        metavar="TEXT",
+        help="int4: round by GPTQ calibrated on TEXT, enwiki (Wikipedia prose in gensim's test data) "
+        "or a UTF-8 file (default: round to nearest after scaling and clipping)",
+    )
+    parser.add_argument(
         "--skip",
         action="append",
         default=[],
@@ -67,10 +74,12 @@ def run_quantize(args: argparse.Namespace) -> int:
     method = get_weight_method(args.quantization, **options)
     _refuse_existing(args.output)
     source = open_source(args.input)
+    if args.gptq is not None and (args.no_calibrate or args.quantization != "int4"):
+        raise QuantizationError("--gptq is for calibrated int4: not with --no-calibrate or other methods")
     if not args.no_calibrate:
         from edgeinfer.engine.quant.calibrated import calibrated_source
 
-        source = calibrated_source(args.input, source, method, args.skip)
+        source = calibrated_source(args.input, source, method, args.skip, args.gptq)
     report = quantize_checkpoint(
         source,
         args.output,

@@ -51,15 +51,20 @@ def quantize_tensors(
     method: WeightMethod,
     want: Callable[[str], bool],
     report: QuantizeReport,
+    states: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Quantize every `M.weight` (2-D, or 3-D stacked experts) for which `want(M)`; keep the rest."""
+    """Quantize every `M.weight` (2-D, or 3-D stacked experts) for which `want(M)`; keep the rest.
+    A module in `states` is written with that state (already quantized with `method`)."""
+    given = states or {}
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors:
         report.bytes_in += t.numel() * t.element_size()
         module = name.removesuffix(".weight")
         matrix = name.endswith(".weight") and t.dim() in (2, 3) and t.is_floating_point()
         state = None
-        if matrix and want(module):
+        if matrix and want(module) and module in given:
+            state = given[module]
+        elif matrix and want(module):
             try:
                 state = method.quantize(t)
             except QuantizationError as e:  # e.g. in_features not a multiple of the int4 group
@@ -99,7 +104,7 @@ def quantize_checkpoint(
         return quantize_embeddings or not is_embedding(module)
 
     report = QuantizeReport()
-    out = quantize_tensors(source.tensors, method, want, report)
+    out = quantize_tensors(source.tensors, method, want, report, source.states)
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, str(dst / OUTPUT_FILE), metadata={"format": "pt"})
     qcfg = QuantizationConfig(method.name, method.options().get("group_size"), tuple(report.ignored))

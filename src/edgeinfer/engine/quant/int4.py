@@ -68,16 +68,24 @@ class Int4Method(WeightMethod):
                 f"int4: in_features {k} is not a multiple of group_size {self.group_size}"
             )
         groups = weight.float().unflatten(-1, (k // self.group_size, self.group_size))
+        scale, zero = self.fit(groups)
+        return self.pack({"q": self.encode(groups, scale, zero).flatten(-2), "zero": zero, "scale": scale})
+
+    def fit(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per group of `[..., G]` fp32 weights: its bf16 scale and uint8 zero point."""
         lo = groups.amin(-1).clamp(max=0)
         hi = groups.amax(-1).clamp(min=0)
         # a scale rounded up keeps [lo, hi] inside the 16-step grid: no value is clamped by more than s/2
         scale = bf16_round_up((hi - lo) / 15)
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-        s = scale.float()  # quantize against the stored (rounded) scale
-        zero = torch.round(-lo / s).clamp_(0, 15)
-        q = torch.round(groups / s.unsqueeze(-1)).add_(zero.unsqueeze(-1)).clamp_(0, 15)
-        unpacked = {"q": q.flatten(-2).to(torch.uint8), "zero": zero.to(torch.uint8), "scale": scale}
-        return self.pack(unpacked)
+        zero = torch.round(-lo / scale.float()).clamp_(0, 15)  # against the stored (rounded) scale
+        return scale.to(torch.bfloat16), zero.to(torch.uint8)
+
+    @staticmethod
+    def encode(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """uint8 codes of fp32 weights `w [..., G]` on the grid of `scale, zero [...]` (clamped to it)."""
+        s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+        return torch.round(w / s).add_(z).clamp_(0, 15).to(torch.uint8)
 
     def pack(self, unpacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         q = unpacked["q"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,9 @@ class CheckpointSource:
     config: dict[str, Any]
     tensors: Iterable[tuple[str, torch.Tensor]]
     side_dir: Path | None
+    #: per module (checkpoint name): a state already quantized with the target method, written instead
+    #: of quantizing the module's float weight (GPTQ's rounding)
+    states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def source_from_dir(src: Path) -> CheckpointSource:

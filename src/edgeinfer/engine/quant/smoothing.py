@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from edgeinfer.engine.quant.base import WeightMethod
+from edgeinfer.engine.quant.base import QuantizationError, WeightMethod
 from edgeinfer.engine.quant.calibrate import WINDOW, InputSample, calibration_windows, collect_inputs
 from edgeinfer.engine.quant.clipping import clip_weight, group_size
+from edgeinfer.engine.quant.gptq import gptq_int4
+from edgeinfer.engine.quant.int4 import Int4Method
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class SmoothReport:
     clipped: dict[str, float] = field(default_factory=dict)
     #: every module whose weight changed (scaled layers, the norms and rows they folded into, clipped layers)
     changed: set[str] = field(default_factory=set)
+    #: per GPTQ-rounded layer: its quantized state, to use instead of quantizing its (float) weight
+    states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def summary(self) -> str:
         if not self.chosen:
@@ -283,6 +287,33 @@ def clip_model(
         )
 
 
+def gptq_model(
+    model: nn.Module,
+    method: Int4Method,
+    samples: dict[str, InputSample],
+    report: SmoothReport,
+    skip: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """GPTQ-round every sampled decoder linear (quant/gptq.py) on the grids of its searched clipping; the
+    states land in `report.states`. The Hessians were taken before scaling: a layer whose input now
+    carries a factor `f` sees `diag(f) H diag(f)`."""
+    modules = dict(model.named_modules())
+    for name, sample in samples.items():
+        if skip(name) or sample.hessian is None:
+            continue
+        weight = modules[name].weight.detach().float()
+        if weight.shape[-1] % method.group_size:
+            continue
+        factor = report.input_factor.get(name)
+        h, x = sample.hessian, sample.rows
+        if factor is not None:
+            h, x = h * factor[:, None] * factor[None, :], x * factor
+        clipped, report.clipped[name] = clip_weight(method, weight, x)
+        report.states[name] = gptq_int4(method, weight, h, clipped)
+        report.changed.add(name)
+    log.info("GPTQ: %d layers rounded", len(report.states))
+
+
 def scale_for_quantization(
     model: nn.Module,
     method: WeightMethod,
@@ -292,17 +323,25 @@ def scale_for_quantization(
     device: torch.device,
     skip: Callable[[str], bool] = lambda name: False,
     head_method: WeightMethod | None = None,
+    gptq: bool = False,
 ) -> SmoothReport:
     """Calibrate on `token_ids` (the float model's activations), scale the recognised layers' inputs
-    (the lm_head's only with a `head_method`), then clip the ranges of grouped (int4) layers."""
+    (the lm_head's only with a `head_method`), then clip the ranges of grouped (int4) layers; with `gptq`
+    (int4 only), round the decoder layers by GPTQ instead of to nearest (`report.states`)."""
+    if gptq and not isinstance(method, Int4Method):
+        raise QuantizationError(f"GPTQ calibration is for int4 weights, not {method.name}")
     has_head = isinstance(getattr(model, "lm_head", None), nn.Linear)  # tied MoE models compute it inline
     names = decoder_linears(model) + (["lm_head"] if head_method is not None and has_head else [])
     max_pos = getattr(getattr(model, "args", None), "max_pos", WINDOW + 1)
     windows = calibration_windows(token_ids, bos_token_id, min(WINDOW, max_pos - 1))
-    samples = collect_inputs(model, windows, names, dtype, device)
+    samples = collect_inputs(model, windows, names, dtype, device, hessians=gptq)
     report = smooth_model(model, method, samples, skip, head_method=head_method)
-    if "group_size" in method.options():  # measured: no gain for per-channel int8
-        clip_model(model, method, {n: s for n, s in samples.items() if n != "lm_head"}, report, skip)
+    decoder = {n: s for n, s in samples.items() if n != "lm_head"}
+    if gptq:
+        assert isinstance(method, Int4Method)
+        gptq_model(model, method, decoder, report, skip)
+    elif "group_size" in method.options():  # measured: no gain for per-channel int8
+        clip_model(model, method, decoder, report, skip)
     return report
 
 
