@@ -12,20 +12,29 @@ from edgeinfer.engine.loading import load_model
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.model.moe import FusedExperts
 from edgeinfer.engine.quant import QuantizedExperts
+from edgeinfer.engine.quant.calibrate import default_calibration_text
 
 # mean KL bound in nats over 24 positions of a random tiny model (measured well below: int8 ~1e-4, int4 ~1e-2)
 BOUNDS = {"int8": 0.01, "int4:32": 0.1}
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-@pytest.mark.parametrize("spec", sorted(BOUNDS))
-def test_experts_are_quantized_and_close(family, spec, moe_models):
+@pytest.mark.parametrize(("spec", "gptq"), [("int8", False), ("int4:32", False), ("int4:32", True)])
+def test_experts_are_quantized_and_close(family, spec, gptq, moe_models, tmp_path):
+    """With GPTQ, the attention (MLA too) and router linears are GPTQ-rounded, the experts rounded."""
+    text = None
+    if gptq:
+        text = tmp_path / "calibration.txt"
+        text.write_text(default_calibration_text())
     ckpt = open_checkpoint(moe_models[family])
     cpu = torch.device("cpu")
     ids = torch.randint(3, 200, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = load_model(ckpt, torch.float32, cpu)
     want = torch.log_softmax(ref.compute_logits(prefill_hidden(ref, ids, torch.float32, cpu)), -1)
-    model = load_model(ckpt, torch.float32, cpu, EngineConfig(model=moe_models[family], quantization=spec))
+    cfg = EngineConfig(
+        model=moe_models[family], quantization=spec, gptq_calibration=None if text is None else str(text)
+    )
+    model = load_model(ckpt, torch.float32, cpu, cfg)
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
     assert experts and all(
         isinstance(e.gate_up_proj, QuantizedExperts) and isinstance(e.down_proj, QuantizedExperts)
