@@ -261,19 +261,22 @@ def _to_fp32(linear: nn.Linear) -> None:
         linear.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
 
 
-def clip_model(
-    model: nn.Module,
-    method: WeightMethod,
-    samples: dict[str, InputSample],
-    report: SmoothReport,
-    skip: Callable[[str], bool] = lambda name: False,
-) -> None:
-    """Clamp every sampled, quantized linear's weight to its searched range (quant/clipping.py)."""
+def _grouped(
+    model: nn.Module, method: WeightMethod, samples: dict[str, InputSample]
+) -> Iterator[tuple[str, nn.Linear, InputSample]]:
+    """The sampled linear layers whose inputs divide into the method's groups."""
     modules = dict(model.named_modules())
     for name, sample in samples.items():
         lin = modules[name]
-        if skip(name) or lin.weight.shape[-1] % group_size(method, lin.weight.shape[-1]):
-            continue
+        if lin.weight.shape[-1] % group_size(method, lin.weight.shape[-1]) == 0:
+            yield name, lin, sample
+
+
+def clip_model(
+    model: nn.Module, method: WeightMethod, samples: dict[str, InputSample], report: SmoothReport
+) -> None:
+    """Clamp every sampled linear's weight to its searched range (quant/clipping.py)."""
+    for name, lin, sample in _grouped(model, method, samples):
         x = sample.rows * report.input_factor.get(name, 1.0)
         weight, report.clipped[name] = clip_weight(method, lin.weight.detach(), x)
         report.changed.add(name)
@@ -288,22 +291,15 @@ def clip_model(
 
 
 def gptq_model(
-    model: nn.Module,
-    method: Int4Method,
-    samples: dict[str, InputSample],
-    report: SmoothReport,
-    skip: Callable[[str], bool] = lambda name: False,
+    model: nn.Module, method: Int4Method, samples: dict[str, InputSample], report: SmoothReport
 ) -> None:
-    """GPTQ-round every sampled decoder linear (quant/gptq.py) on the grids of its searched clipping; the
-    states land in `report.states`. The Hessians were taken before scaling: a layer whose input now
-    carries a factor `f` sees `diag(f) H diag(f)`."""
-    modules = dict(model.named_modules())
-    for name, sample in samples.items():
-        if skip(name) or sample.hessian is None:
+    """GPTQ-round every sampled linear with a Hessian (quant/gptq.py) on the grids of its searched
+    clipping; the states land in `report.states`. The Hessians were taken before scaling: a layer whose
+    input now carries a factor `f` sees `diag(f) H diag(f)`."""
+    for name, lin, sample in _grouped(model, method, samples):
+        if sample.hessian is None:
             continue
-        weight = modules[name].weight.detach().float()
-        if weight.shape[-1] % method.group_size:
-            continue
+        weight = lin.weight.detach().float()
         factor = report.input_factor.get(name)
         h, x = sample.hessian, sample.rows
         if factor is not None:
@@ -336,12 +332,12 @@ def scale_for_quantization(
     windows = calibration_windows(token_ids, bos_token_id, min(WINDOW, max_pos - 1))
     samples = collect_inputs(model, windows, names, dtype, device, hessians=gptq)
     report = smooth_model(model, method, samples, skip, head_method=head_method)
-    decoder = {n: s for n, s in samples.items() if n != "lm_head"}
+    decoder = {n: s for n, s in samples.items() if n != "lm_head" and not skip(n)}
     if gptq:
         assert isinstance(method, Int4Method)
-        gptq_model(model, method, decoder, report, skip)
+        gptq_model(model, method, decoder, report)
     elif "group_size" in method.options():  # measured: no gain for per-channel int8
-        clip_model(model, method, decoder, report, skip)
+        clip_model(model, method, decoder, report)
     return report
 
 
