@@ -35,7 +35,7 @@ def gptq_int4(
     w, hinv_u, order = _prepare(weight.float(), hessian.double())
     col_scale = scale.float().repeat_interleave(g, dim=1)[:, order]
     col_zero = zero.float().repeat_interleave(g, dim=1)[:, order]
-    q = torch.empty(n, k, dtype=torch.uint8)
+    q = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
     for a in range(0, k, BLOCK):
         b = min(a + BLOCK, k)
         block = w[:, a:b].clone()
