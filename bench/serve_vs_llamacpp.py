@@ -44,9 +44,11 @@ from edgeinfer.engine.model.loader.default_model import resolve_default_model  #
 
 DOCS = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results"
-# Our engine's flags for each precision class (`--ours-args` replaces them if the server's flags differ).
-OUR_PRECISION_ARGS = {"bf16": ["--dtype", "bfloat16"], "int8": ["--quantization", "int8"],
-                      "int4": ["--quantization", "int4"]}  # fmt: skip
+# Our engine's flags for each precision class (`--ours-args` replaces them if the server's flags differ);
+# the int8 lm_head (int8 and int4 classes) also keeps fbgemm's GEMV copy, as llama.cpp's Q8_0 GEMV is fast.
+OUR_PRECISION_ARGS = {"bf16": ["--dtype", "bfloat16"],
+                      "int8": ["--quantization", "int8", "--lm-head-gemv"],
+                      "int4": ["--quantization", "int4", "--lm-head-gemv"]}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ def _comparison_doc(
         f"llama.cpp: llama-server {llama_version()} "
         f"(from llama-cpp-python {peers.LLAMA_CPP_PYTHON_VERSION}), `{peer_file}`, "
         f"`-np {max(args.concurrency)}` with continuous batching.",
+        f"edgeinfer: `edgeinfer serve {shlex.join(_our_args(args))}`.",
         f"Workload: random prompts of {args.input_len} tokens, {args.output_len} output tokens (ignore_eos), "
         f"max({args.min_prompts}, {args.prompts_per_slot}×C) requests per concurrency level C, "
         "all sent at once with C in flight.",

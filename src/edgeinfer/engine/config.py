@@ -34,6 +34,10 @@ class EngineConfig:
     # than int8 on the 262k-row Gemma lm_head once several sequences decode), else the weights' method;
     # `none` keeps them in float; or any `quantization` value.
     lm_head_quantization: str = "auto"
+    # An int8 lm_head on CPU also kept in fbgemm's packed layout and multiplied through it: Gemma 3
+    # 270M's lm_head at one sequence 17.5 -> 8.6 ms (single-stream decode ~1.3x), equal from 32 rows on;
+    # costs a second copy of the table (+160 MiB on Gemma, whose embedding shares it), so off by default.
+    lm_head_gemv: bool = False
     # With `quantization` on a float checkpoint: scale layer inputs by activations measured on a short
     # built-in text before quantizing (quant/smoothing.py); a few seconds at load.
     calibrate_quantization: bool = True

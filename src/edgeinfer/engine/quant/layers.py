@@ -12,6 +12,7 @@ from edgeinfer.engine.quant.base import (
     flatten_tokens,
     get_weight_method,
 )
+from edgeinfer.engine.quant.int8 import GEMV_ROWS, GemvWeight, Int8Method
 
 
 class QuantLinear(nn.Module):
@@ -35,6 +36,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, tensor)
         # a buffer, not a Parameter: loaders that fill every parameter leave quantized layers alone
         self.register_buffer("bias", bias.detach().clone() if bias is not None else None)
+        self.gemv: GemvWeight | None = None
 
     @classmethod
     def from_float(
@@ -68,24 +70,40 @@ class QuantLinear(nn.Module):
         tensors = {n: getattr(self, n) for n in self._names}
         return PreparedWeight(self.kernel, tensors, self.out_features, self.in_features)
 
+    def attach_gemv(self) -> None:
+        """Also keep an int8 weight in fbgemm's packed layout and multiply up to `GEMV_ROWS` rows through
+        that copy (CPU): twice the weight's memory for ~1.8x faster single-row products, same results."""
+        if not isinstance(self.method, Int8Method):
+            raise QuantizationError(f"the packed GEMV is for int8 weights, not {self.method.name}")
+        self.gemv = self.method.pack_gemv(self.prepared())
+
     def kernel_for(self, num_tokens: int) -> str:
         """The code path `forward` takes for `num_tokens` rows."""
+        if self.gemv is not None and num_tokens <= GEMV_ROWS:
+            return "fbgemm_gemv"
         return self.method.kernel_for(self.prepared(), num_tokens)
 
     def weight_nbytes(self) -> int:
-        """Bytes of quantized weight storage (bias excluded)."""
-        return self.prepared().nbytes()
+        """Bytes of quantized weight storage (bias excluded), the packed GEMV copy included."""
+        return self.prepared().nbytes() + (self.gemv.nbytes if self.gemv is not None else 0)
+
+    def _matmul(self, x2: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if self.gemv is not None and x2.shape[0] <= GEMV_ROWS:
+            return self.method.apply_gemv(self.gemv, x2, out)  # type: ignore[attr-defined]
+        if out is None:
+            return self.method.apply(self.prepared(), x2)
+        return self.method.apply_into(self.prepared(), x2, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = flatten_tokens(x, self.in_features)
-        y = self.method.apply(self.prepared(), x2)
+        y = self._matmul(x2, None)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`forward` for 2-D `x`, written into `out` (`[M, out_features]`)."""
-        self.method.apply_into(self.prepared(), flatten_tokens(x, self.in_features), out)
+        self._matmul(flatten_tokens(x, self.in_features), out)
         if self.bias is not None:
             out.add_(self.bias.to(out.dtype))
         return out
