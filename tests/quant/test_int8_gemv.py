@@ -58,3 +58,14 @@ def test_engine_lm_head_gemv_keeps_outputs(tiny_models):
 def test_engine_lm_head_gemv_needs_an_int8_head(tiny_models):
     with pytest.raises(ValueError, match="lm_head_gemv needs an int8 lm_head"):
         LLMEngine(EngineConfig(model=tiny_models["llama"], dtype="float32", lm_head_gemv=True))
+
+
+@pytest.mark.parametrize(
+    "flags", [[], ["--quantization", "fp8"], ["--quantization", "int4", "--lm-head-quantization", "none"]]
+)
+def test_serve_refuses_lm_head_gemv_without_an_int8_head(flags, tiny_models, capsys):
+    from edgeinfer.node.cli import main
+
+    assert main(["--model", tiny_models["llama"], "--lm-head-gemv", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lm_head_gemv needs an int8 lm_head on CPU" in err

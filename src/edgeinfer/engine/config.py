@@ -67,5 +67,18 @@ class EngineConfig:
                 raise ValueError(f"gptq_calibration is for int4 weights, not {self.quantization}")
             if not self.calibrate_quantization:
                 raise ValueError("gptq_calibration needs calibrate_quantization (GPTQ rounds after scaling)")
+        if self.lm_head_gemv and not self._int8_head_on_cpu():
+            raise ValueError(
+                "lm_head_gemv needs an int8 lm_head on CPU: quantization int8 or int4 "
+                "(lm_head_quantization auto or int8), device cpu"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")
+
+    def _int8_head_on_cpu(self) -> bool:
+        """Whether `lm_head_quantization` resolves to int8 (as `loading.head_method` does) on a CPU."""
+        weights = (self.quantization or "").partition(":")[0]
+        head = self.lm_head_quantization
+        if head == "auto":
+            head = "int8" if weights == "int4" else weights
+        return self.device == "cpu" and head.partition(":")[0] == "int8"
