@@ -176,7 +176,10 @@ class Int8Method(ChannelwiseMethod):
         and zero point 128 (exact: codes lie in [-127, 127]); its sums are exact int32, its epilogue
         multiplies by the weight scale, and the token scale follows here: the `_int_mm` epilogue's order."""
         xq, x_scale = quantize_rows_int8(self.rotate(x))
-        y = _fbgemm_q_dq(xq.float(), 1.0, 128, gemv.packed).mul_(x_scale)
+        y = _fbgemm_q_dq(xq.float(), 1.0, 128, gemv.packed)
+        if out is not None and out.dtype == torch.float32:
+            return torch.mul(y, x_scale, out=out)  # the logits buffer: scale straight into it
+        y.mul_(x_scale)
         return y.to(x.dtype) if out is None else out.copy_(y)
 
     def scheme(self) -> dict[str, Any]:
