@@ -165,12 +165,18 @@ async def run_benchmark(
 
 async def _warm_up(run: _Run, session: Session) -> None:
     """Send `num_warmups` unrecorded requests shaped like the first turn, so one-time costs (allocation,
-    compilation) are paid. Their words are fresh, so no measured prompt is already in a prefix cache.
+    compilation) are paid: the first alone, the rest at once, as a server may compile a one-sequence and a
+    batched step separately. Their words are fresh, so no measured prompt is already in a prefix cache.
     """
     rng = random.Random(run.config.seed ^ 0x5EED)
     turn = session.turns[0]
-    for _ in range(run.config.num_warmups):
+
+    async def one() -> None:
         text = random_words(rng, turn.approx_tokens)
         spec = RequestSpec(text, min(turn.max_tokens, 16), turn.approx_tokens)
         payload = build_payload(run.config.endpoint, run.config.model, spec)
         await send_request(run.client, run.url, payload, spec, run.headers(session))
+
+    if run.config.num_warmups:
+        await one()
+        await asyncio.gather(*(one() for _ in range(run.config.num_warmups - 1)))

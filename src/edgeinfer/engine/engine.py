@@ -15,7 +15,6 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, resolve_dtype
-from edgeinfer.engine.model.compile import compile_decoder_layers
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
 from edgeinfer.engine.runner.runner import ModelRunner
@@ -61,8 +60,6 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_checkpoint(ckpt)
         dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(ckpt, dtype, self.device, config)
-        if config.compile and not compile_decoder_layers(self.model):
-            log.warning("compile: %s has no dense decoder layers; running eagerly", config.model)
         self.layout: EngineLayout = plan_layout(config, self.model, dtype)
         storage = KVCacheStorage(
             self.model.kv_spec,
@@ -81,7 +78,9 @@ class LLMEngine:
             config.scheduling_policy,
         )
         self.scheduler = Scheduler(sched_cfg, kv, clock)
-        self.runner = ModelRunner(self.model, storage, self.device, vocab_limit=self.tokenizer.vocab_size)
+        self.runner = ModelRunner(
+            self.model, storage, self.device, vocab_limit=self.tokenizer.vocab_size, compile=config.compile
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         log.info(

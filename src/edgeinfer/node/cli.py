@@ -86,7 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-dtype", default="auto")
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument(
-        "--compile", action="store_true", help="torch.compile the dense layers (needs a C++ compiler)"
+        "--compile",
+        action="store_true",
+        help="torch.compile one-sequence decode steps (needs a C++ compiler; minutes at first use)",
     )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")

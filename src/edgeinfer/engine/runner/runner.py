@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from edgeinfer.engine.attention import KVCacheStorage, get_attention_backend
+from edgeinfer.engine.model.compile import DecodeCompiledForward
 from edgeinfer.engine.runner.inputs import StepInputs, build_inputs
 from edgeinfer.engine.runner.sampler import Sampler, top_logprobs
 from edgeinfer.engine.scheduler import SchedulerOutput
@@ -30,8 +31,10 @@ class ModelRunner:
         device: torch.device,
         backend: str = "torch",
         vocab_limit: int | None = None,
+        compile: bool = False,
     ) -> None:
         self.model = model
+        self.compiled = DecodeCompiledForward(model) if compile else None
         self.storage = storage
         self.device = device
         self.backend = get_attention_backend(backend, storage)
@@ -47,7 +50,11 @@ class ModelRunner:
         self.num_steps += 1
         inp = build_inputs(sched.chunks, self.storage.block_size, self.device)
         self.backend.begin(inp.attn)
-        hidden = self.model(inp.input_ids, inp.positions, self.backend)
+        if self.compiled is not None:
+            single_decode = inp.attn.num_decodes == inp.attn.num_seqs == 1
+            hidden = self.compiled(inp.input_ids, inp.positions, self.backend, single_decode)
+        else:
+            hidden = self.model(inp.input_ids, inp.positions, self.backend)
         out = RunnerOutput()
         if inp.sample_rows:
             rows = hidden[inp.sample_rows]
