@@ -1,6 +1,6 @@
-"""`EngineConfig.compile` runs one-sequence decode steps through torch.compile; a compile failure (no C++ compiler
-on the machine, an unsupported op) must leave the engine serving the same tokens eagerly. Compiling for
-real takes minutes on these CPUs, so it is measured in bench runs, not here."""
+"""`EngineConfig.compile` runs one-sequence decode steps through torch.compile; a compile failure (no C++
+compiler on the machine, an unsupported op) must leave the engine serving the same tokens eagerly.
+Compiling for real takes minutes on these CPUs, so it is measured in bench runs, not here."""
 
 from __future__ import annotations
 
