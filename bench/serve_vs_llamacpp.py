@@ -45,11 +45,12 @@ from edgeinfer.engine.model.loader.default_model import resolve_default_model  #
 DOCS = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results"
 # Our engine's flags for each precision class (`--ours-args` replaces them if the server's flags differ);
-# the int8 lm_head (int8 and int4 classes) also keeps fbgemm's GEMV copy, as llama.cpp's Q8_0 GEMV is fast;
-# one-sequence decode steps run compiled (the first warm-up request waits minutes for the graph).
+# int8 and int4 decode products go through our VNNI kernels (`--cpu-gemv`: int4 as W4A8, as llama.cpp
+# multiplies its Q4/Q5 weights by Q8 activations); one-sequence decode steps run compiled (the first
+# warm-up request waits minutes for the graph).
 OUR_PRECISION_ARGS = {"bf16": ["--dtype", "bfloat16", "--compile"],
-                      "int8": ["--quantization", "int8", "--lm-head-gemv", "--compile"],
-                      "int4": ["--quantization", "int4", "--lm-head-gemv", "--compile"]}  # fmt: skip
+                      "int8": ["--quantization", "int8", "--cpu-gemv", "--compile"],
+                      "int4": ["--quantization", "int4", "--cpu-gemv", "--compile"]}  # fmt: skip
 
 
 @dataclass(frozen=True)

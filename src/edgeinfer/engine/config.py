@@ -34,10 +34,13 @@ class EngineConfig:
     # than int8 on the 262k-row Gemma lm_head once several sequences decode), else the weights' method;
     # `none` keeps them in float; or any `quantization` value.
     lm_head_quantization: str = "auto"
-    # An int8 lm_head on CPU also kept in fbgemm's packed layout and multiplied through it: Gemma 3
-    # 270M's lm_head at one sequence 17.5 -> 8.6 ms (single-stream decode ~1.3x), equal from 32 rows on;
-    # costs a second copy of the table (+160 MiB on Gemma, whose embedding shares it), so off by default.
-    lm_head_gemv: bool = False
+    # int8 and int4 layers on CPU multiplied by our AVX512-VNNI kernels (quant/kernels, compiled for this
+    # CPU at first use, ~10 s): int8 products of <= 16 rows bit for bit as `_int_mm`, on the same codes
+    # (Gemma 3 270M's lm_head at one row 17.5 -> 7.8 ms); int4 with activations rounded to int8 per
+    # group (W4A8, as llama.cpp multiplies Q4/Q5 blocks by Q8 ones): 4x torch's int4 kernel at one row,
+    # 1.8x at 512. Needs a C++ compiler; off by default because W4A8 moves int4 results a little
+    # (docs/quantization.md).
+    cpu_gemv: bool = False
     # With `quantization` on a float checkpoint: scale layer inputs by activations measured on a short
     # built-in text before quantizing (quant/smoothing.py); a few seconds at load.
     calibrate_quantization: bool = True
@@ -67,18 +70,13 @@ class EngineConfig:
                 raise ValueError(f"gptq_calibration is for int4 weights, not {self.quantization}")
             if not self.calibrate_quantization:
                 raise ValueError("gptq_calibration needs calibrate_quantization (GPTQ rounds after scaling)")
-        if self.lm_head_gemv and not self._int8_head_on_cpu():
+        if self.cpu_gemv and (self.device != "cpu" or self._weights_method() not in ("int8", "int4")):
             raise ValueError(
-                "lm_head_gemv needs an int8 lm_head on CPU: quantization int8 or int4 "
-                "(lm_head_quantization auto or int8), device cpu"
+                "cpu_gemv needs int8 or int4 weights on CPU: quantization int8 or int4 (for a quantized "
+                "checkpoint too), device cpu"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")
 
-    def _int8_head_on_cpu(self) -> bool:
-        """Whether `lm_head_quantization` resolves to int8 (as `loading.head_method` does) on a CPU."""
-        weights = (self.quantization or "").partition(":")[0]
-        head = self.lm_head_quantization
-        if head == "auto":
-            head = "int8" if weights == "int4" else weights
-        return self.device == "cpu" and head.partition(":")[0] == "int8"
+    def _weights_method(self) -> str:
+        return (self.quantization or "").partition(":")[0]

@@ -13,8 +13,9 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.model.loader import Checkpoint
 from edgeinfer.engine.model.loader.base import cast_floating
 from edgeinfer.engine.model.registry import build_model
+from edgeinfer.engine.quant import kernels
 from edgeinfer.engine.quant.apply import quantize_model
-from edgeinfer.engine.quant.base import QuantizationError, WeightMethod, get_weight_method
+from edgeinfer.engine.quant.base import WeightMethod, get_weight_method
 from edgeinfer.engine.quant.calibrate import calibration_ids
 from edgeinfer.engine.quant.checkpoint import QuantizationConfig, apply_quantized_checkpoint
 from edgeinfer.engine.quant.kv import get_kv_quantizer
@@ -73,19 +74,21 @@ def load_model(
         model.load_weights(ckpt.iter_tensors(_load_dtype(model, dtype)))
         if config.quantization:
             _quantize_float_model(model, ckpt, config, dtype, device)
-    if config.lm_head_gemv:
-        _attach_gemv_head(model)
+    if config.cpu_gemv:
+        _use_cpu_gemv(model)
     return model.eval().requires_grad_(False)
 
 
-def _attach_gemv_head(model: nn.Module) -> None:
-    head = getattr(model, "lm_head", None)
-    if not isinstance(head, QuantLinear):
-        raise ValueError("lm_head_gemv needs an int8 lm_head (--quantization int8 or int4)")
+def _use_cpu_gemv(model: nn.Module) -> None:
     try:
-        head.attach_gemv()
-    except QuantizationError as e:
-        raise ValueError(f"lm_head_gemv: {e}") from None
+        kernels.load()
+    except kernels.KernelBuildError as e:
+        raise ValueError(f"cpu_gemv: {e}") from None
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    switched = sum(m.use_cpu_gemv() for m in layers)
+    if not switched:
+        raise ValueError("cpu_gemv: no layer of this model has a form the CPU GEMV kernels read")
+    log.info("CPU GEMV kernels: %d of %d quantized layers", switched, len(layers))
 
 
 def _quantize_float_model(
@@ -171,5 +174,4 @@ def plan_layout(config: EngineConfig, model: nn.Module, dtype: torch.dtype) -> E
     max_len = min(config.max_model_len or model.args.max_pos, model.args.max_pos)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += sum(b.numel() * b.element_size() for b in model.buffers())  # quantized states are buffers
-    weights += sum(m.gemv.nbytes for m in model.modules() if isinstance(m, QuantLinear) and m.gemv)
     return EngineLayout(blocks, config.block_size, max_len, per_token, weights, dtype)

@@ -47,6 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="round int4 weights by GPTQ calibrated on TEXT: enwiki (Wikipedia prose in gensim's test "
         "data) or a UTF-8 file (default: round to nearest)",
     )
+    p.add_argument(
+        "--cpu-gemv",
+        action="store_true",
+        help="quantized side through our CPU kernels (int4 as W4A8), as `serve --cpu-gemv` runs it",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
     p.add_argument(
         "--text",
@@ -81,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         lm_head_quantization=args.lm_head_quantization,
         calibrate=args.calibrate,
         gptq=args.gptq,
+        cpu_gemv=args.cpu_gemv,
         dtype=args.dtype,
         text=args.text,
         tokens=args.tokens,

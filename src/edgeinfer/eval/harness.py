@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 class EvalSettings:
     """What `edgeinfer eval` measures. `quantization` / `baseline_quantization`: None is unquantized;
     `lm_head_quantization` and `calibrate`: as EngineConfig's `lm_head_quantization` and
-    `calibrate_quantization`, for both sides; `gptq`: EngineConfig's `gptq_calibration`;
+    `calibrate_quantization`, for both sides; `gptq`: EngineConfig's `gptq_calibration`; `cpu_gemv`:
+    EngineConfig's, for the tested side only (so int4 against int4 compares W4A8 with W4A16);
     `stride` None is `window // 2`."""
 
     model: str = DEFAULT_MODEL
@@ -36,6 +37,7 @@ class EvalSettings:
     lm_head_quantization: str = "auto"
     calibrate: bool = True
     gptq: str | None = None
+    cpu_gemv: bool = False
     dtype: str = "bfloat16"
     text: str = DEFAULT_TEXT
     tokens: int = 1024
@@ -71,7 +73,9 @@ class EvalSettings:
         return self.stride if self.stride is not None else max(1, self.window // 2)
 
 
-def build_engine(settings: EvalSettings, quantization: str | None, kv_cache_dtype: str) -> LLMEngine:
+def build_engine(
+    settings: EvalSettings, quantization: str | None, kv_cache_dtype: str, cpu_gemv: bool = False
+) -> LLMEngine:
     """An engine whose KV pool holds the greedy prompts and continuations (scoring uses its own pool)."""
     per_seq = -(-(settings.prefix_tokens + settings.greedy_tokens + 1) // BLOCK_SIZE)
     return LLMEngine(
@@ -82,6 +86,7 @@ def build_engine(settings: EvalSettings, quantization: str | None, kv_cache_dtyp
             lm_head_quantization=settings.lm_head_quantization,
             calibrate_quantization=settings.calibrate,
             gptq_calibration=settings.gptq if quantization else None,
+            cpu_gemv=cpu_gemv,
             kv_cache_dtype=kv_cache_dtype,
             block_size=BLOCK_SIZE,
             num_kv_blocks=max(1, settings.prefixes) * per_seq + 1,
@@ -124,8 +129,16 @@ def run_eval(settings: EvalSettings) -> EvalReport:
     start = time.perf_counter()
     text = load_text(settings.text)
     baseline = build_engine(settings, settings.baseline_quantization, "auto")
-    same = settings.quantization == settings.baseline_quantization and settings.kv_cache_dtype == "auto"
-    test = baseline if same else build_engine(settings, settings.quantization, settings.kv_cache_dtype)
+    same = (
+        settings.quantization == settings.baseline_quantization
+        and settings.kv_cache_dtype == "auto"
+        and not settings.cpu_gemv
+    )
+    test = (
+        baseline
+        if same
+        else build_engine(settings, settings.quantization, settings.kv_cache_dtype, settings.cpu_gemv)
+    )
     ids = eval_tokens(text, baseline.tokenizer, settings.tokens)
     result = compare(
         Candidate.from_engine("baseline", baseline),

@@ -30,8 +30,12 @@ class DecodeCompiledForward:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        # cpp_wrapper: the graph's own launcher is C++ too, which is where a small step's time goes
-        self.compiled: Any = torch.compile(model.forward, dynamic=True, options={"cpp_wrapper": True})
+        # cpp_wrapper: the graph's own launcher is C++ too, which is where a small step's time goes.
+        # guard_filter_fn: no guards on the model's modules and the code's globals, which nothing changes
+        # once loaded (the model's forward reads module state and writes none when compiling); the
+        # ~8,000 guards of a Gemma 3 270M graph took 1.2-1.4 ms a step. Guards on the step's inputs stay.
+        options = {"cpp_wrapper": True, "guard_filter_fn": _skip_model_and_global_guards}
+        self.compiled: Any = torch.compile(model.forward, dynamic=True, options=options)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, backend: Any, single_decode: bool) -> Any:
         if single_decode and self.compiled is not None:
@@ -43,3 +47,10 @@ class DecodeCompiledForward:
                 log.warning("torch.compile of one-sequence decode steps failed, running them eagerly: %s", e)
                 self.compiled = None
         return self.model(ids, positions, backend)
+
+
+def _skip_model_and_global_guards(entries: list[Any]) -> list[bool]:
+    """Keep a guard unless it checks an `nn.Module`'s state or a module-level global."""
+    nn_modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    globals_ = torch.compiler.skip_guard_on_globals_unsafe(entries)
+    return [a and b for a, b in zip(nn_modules, globals_, strict=True)]

@@ -91,6 +91,11 @@ class WeightMethod(ABC):
         its result copy it in."""
         return out.copy_(self.apply(weight, x))
 
+    def gemv_form(self, weight: PreparedWeight) -> PreparedWeight | None:
+        """The weight in the form our CPU GEMV kernels read (quant/kernels), or None where there is none.
+        Called after `kernels.load()`."""
+        return None
+
     @abstractmethod
     def kernel_for(self, weight: PreparedWeight, num_tokens: int) -> str:
         """Name of the code path `apply` takes for `num_tokens` rows (e.g. `int_mm` or `dequant`)."""

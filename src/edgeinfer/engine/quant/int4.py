@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from edgeinfer.engine.quant import kernels
 from edgeinfer.engine.quant.base import (
     PreparedWeight,
     QuantizationError,
@@ -126,7 +127,26 @@ class Int4Method(WeightMethod):
         tensors = {"nibbles": pack_nibbles(u["q"]), "weight_scale": u["scale"], "zero": u["zero"]}
         return PreparedWeight("dequant", tensors, n, k)
 
+    def gemv_form(self, weight: PreparedWeight) -> PreparedWeight | None:
+        """A 2-D weight in the CPU layout, re-laid for `int4_gemv` (W4A8). Measured at 1 thread, 4096 x 640
+        int4 (groups of 32) at 1 / 16 / 64 / 512 rows: 0.019 / 0.35 / 1.2 / 9.4 ms, against 0.079 / 1.1 /
+        5.8 / 17 ms for torch's kernel or, from 64 rows, a bf16 GEMM on the dequantized weight. Not for
+        stacked experts or an unknown packing."""
+        t = weight.tensors
+        if (
+            weight.kernel != "cpu_int4pack"
+            or t["scale_kn"].dim() != 3
+            or not _unpackable(weight.out_features)
+        ):
+            return None
+        q, zero, scale = _int4pack_codes(t, weight.in_features)
+        codes, scales, zeros = kernels.int4_pack(q, zero, scale)
+        tensors = {"codes": codes, "scales": scales, "zeros": zeros}
+        return PreparedWeight("cpu_w4a8", tensors, weight.out_features, weight.in_features)
+
     def kernel_for(self, weight: PreparedWeight, num_tokens: int) -> str:
+        if weight.kernel == "cpu_w4a8":
+            return "cpu_w4a8"
         large = num_tokens >= _DEQUANT_MIN_TOKENS
         if weight.kernel == "cpu_int4pack" and large and _unpackable(weight.out_features):
             return "dequant"
@@ -134,6 +154,8 @@ class Int4Method(WeightMethod):
 
     def apply(self, weight: PreparedWeight, x: torch.Tensor) -> torch.Tensor:
         t = weight.tensors
+        if weight.kernel == "cpu_w4a8":
+            return self._apply_w4a8(t, x)
         if weight.kernel == "cpu_int4pack":
             xin = x if x.dtype in (torch.bfloat16, torch.float32) else x.to(torch.bfloat16)
             if self.kernel_for(weight, x.shape[0]) == "dequant":
@@ -146,6 +168,13 @@ class Int4Method(WeightMethod):
             return out.to(x.dtype)
         w = _dequant(unpack_nibbles(t["nibbles"]), t["zero"], t["weight_scale"], self.group_size, x.dtype)
         return F.linear(x, w)
+
+    def _apply_w4a8(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        xin = x if x.dtype in (torch.bfloat16, torch.float32) else x.to(torch.bfloat16)
+        y = torch.ops.edgeinfer_cpu.int4_gemv(
+            xin.contiguous(), t["codes"], t["scales"], t["zeros"], self.group_size
+        )
+        return y.to(x.dtype)
 
     def embedding_rows(
         self, state: dict[str, torch.Tensor], ids: torch.Tensor, dtype: torch.dtype
@@ -254,6 +283,19 @@ _PACK_LAYOUT = _probe_pack_layout()
 def _unpackable(n: int) -> bool:
     """Whether a packed `n`-row weight can be dequantized here (the packing's last, partial block differs)."""
     return _PACK_LAYOUT is not None and n % _PACK_LAYOUT.block_n == 0
+
+
+def _int4pack_codes(t: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes, zero points and scales (`[N, K]`, `[N, K/G]` x2) back from a 2-D weight's CPU layout.
+
+    Exact: the layout's weight is `(q - 8) * scale + zero` with `zero = bf16((8 - zp) * scale)`, whose
+    relative rounding (2^-9) is far below the half step that rounding back to integers tolerates."""
+    scale_kn, zero_kn = t["scale_kn"].float(), t["zero_kn"].float()
+    w = _int4pack_to_kn(t["packed"], t["scale_kn"], t["zero_kn"], k, torch.float32)
+    by_group = w.view(scale_kn.shape[0], -1, w.shape[1])
+    q = torch.round((by_group - zero_kn) / scale_kn).add_(8).view(k, -1).t()
+    zero = 8 - torch.round(zero_kn / scale_kn).squeeze(1).t()
+    return q.to(torch.uint8), zero.to(torch.uint8), t["scale_kn"].squeeze(1).t()
 
 
 def _int4pack_to_kn(

@@ -15,8 +15,6 @@ unrotated.
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -24,13 +22,11 @@ import torch
 
 from edgeinfer.engine.quant.base import PreparedWeight, QuantizationError, ct_args, register_weight_method
 from edgeinfer.engine.quant.channelwise import ChannelwiseMethod
+from edgeinfer.engine.quant.kernels import GEMV_ROWS
 
 QMAX = 127  # symmetric range [-127, 127]: -128 would make the grid lopsided
 _EPILOGUE_ELEMS = 1 << 20  # outputs per column block (4 MB of fp32) ...
 _MIN_BLOCK = 8192  # ... but never blocks narrower than this
-# fbgemm's packed GEMV, measured on the 262k x 640 Gemma lm_head (1 thread): 1.8x `_int_mm` at one row,
-# 1.4x at 16, 0.8x at 32; wider inputs take `_int_mm`
-GEMV_ROWS = 16
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +113,8 @@ class Int8Method(ChannelwiseMethod):
         return prepared
 
     def kernel_for(self, weight: PreparedWeight, num_tokens: int) -> str:
+        if weight.kernel == "cpu_gemv" and num_tokens <= GEMV_ROWS:
+            return "cpu_gemv"
         device = weight.tensors["weight_scale"].device
         ok = int_mm_supported(num_tokens, weight.in_features, weight.out_features, device)
         return "int_mm" if ok else "dequant"
@@ -138,7 +136,14 @@ class Int8Method(ChannelwiseMethod):
             return y if out is None else out.copy_(y)
         xq, x_scale = quantize_rows_int8(xr)
         n = weight.out_features
-        # every epilogue scales by the weight, then the token: `apply_gemv`'s order, so the two agree exactly
+        if self.kernel_for(weight, x.shape[0]) == "cpu_gemv":
+            ops, xs = torch.ops.edgeinfer_cpu, x_scale.reshape(-1)
+            if out is not None and out.dtype == torch.float32 and out.is_contiguous():
+                ops.int8_gemv_out(xq, xs, t["weight"], w_scale, out)  # the logits buffer, filled in place
+                return out
+            y = ops.int8_gemv(xq, xs, t["weight"], w_scale)
+            return (y if y.dtype == x.dtype else y.to(x.dtype)) if out is None else out.copy_(y)
+        # every epilogue scales by the weight, then the token: `int8_gemv`'s order, so the two agree exactly
         block = max(_MIN_BLOCK, _EPILOGUE_ELEMS // max(1, x.shape[0]))
         if n <= block:
             y = torch._int_mm(xq, w_kn).float().mul_(w_scale).mul_(x_scale)
@@ -154,33 +159,13 @@ class Int8Method(ChannelwiseMethod):
                 part.copy_(acc.float().mul_(w_scale[s : s + block]).mul_(x_scale))
         return out
 
-    def pack_gemv(self, weight: PreparedWeight) -> GemvWeight:
-        """A second copy of a 2-D CPU weight in fbgemm's packed layout (`apply_gemv`)."""
-        t = weight.tensors
-        q = t["weight_t"].t() if "weight_t" in t else t["weight"]
-        fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
-        if q.dim() != 2 or q.device.type != "cpu" or not fbgemm:
-            raise QuantizationError("the packed int8 GEMV needs a 2-D weight on a CPU with fbgemm")
-        scale = t["weight_scale"].double()
-        with warnings.catch_warnings():  # torch's quantized tensors are deprecated; the pinned 2.13 has them
-            warnings.simplefilter("ignore")
-            zero = torch.zeros_like(scale, dtype=torch.long)
-            qt = torch._make_per_channel_quantized_tensor(q.contiguous(), scale, zero, 0)
-            packed = torch.ops.quantized.linear_prepack(qt, None)
-        return GemvWeight(packed, q.numel() + 4 * q.shape[0])  # codes + per-column offsets
-
-    def apply_gemv(self, gemv: GemvWeight, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """`apply` through the packed copy, for up to `GEMV_ROWS` rows: bit for bit the `_int_mm` result.
-
-        fbgemm quantizes its fp32 input itself, so it is handed our per-token codes as floats with scale 1
-        and zero point 128 (exact: codes lie in [-127, 127]); its sums are exact int32, its epilogue
-        multiplies by the weight scale, and the token scale follows here: the `_int_mm` epilogue's order."""
-        xq, x_scale = quantize_rows_int8(self.rotate(x))
-        y = _fbgemm_q_dq(xq.float(), 1.0, 128, gemv.packed)
-        if out is not None and out.dtype == torch.float32:
-            return torch.mul(y, x_scale, out=out)  # the logits buffer: scale straight into it
-        y.mul_(x_scale)
-        return y.to(x.dtype) if out is None else out.copy_(y)
+    def gemv_form(self, weight: PreparedWeight) -> PreparedWeight | None:
+        """A row-major `[N, K]` CPU weight as it is: `int8_gemv` reads the same codes (the shared
+        embedding table included), so switching costs no memory. `[K, N]`-stored weights keep `_int_mm`."""
+        q = weight.tensors.get("weight")
+        if q is None or q.dim() != 2 or q.device.type != "cpu":
+            return None
+        return PreparedWeight("cpu_gemv", dict(weight.tensors), weight.out_features, weight.in_features)
 
     def scheme(self) -> dict[str, Any]:
         return {
@@ -190,18 +175,6 @@ class Int8Method(ChannelwiseMethod):
                 num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True
             ),
         }
-
-
-# fp32 in (quantized with the given scale and zero point), int8 packed weight, fp32 out
-_fbgemm_q_dq = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
-
-
-@dataclass(frozen=True)
-class GemvWeight:
-    """fbgemm's packed copy of an int8 weight (an opaque torch object, so not a module buffer)."""
-
-    packed: Any
-    nbytes: int
 
 
 @cache

@@ -12,7 +12,6 @@ from edgeinfer.engine.quant.base import (
     flatten_tokens,
     get_weight_method,
 )
-from edgeinfer.engine.quant.int8 import GEMV_ROWS, GemvWeight, Int8Method
 
 
 class QuantLinear(nn.Module):
@@ -36,7 +35,6 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, tensor)
         # a buffer, not a Parameter: loaders that fill every parameter leave quantized layers alone
         self.register_buffer("bias", bias.detach().clone() if bias is not None else None)
-        self.gemv: GemvWeight | None = None
 
     @classmethod
     def from_float(
@@ -70,26 +68,29 @@ class QuantLinear(nn.Module):
         tensors = {n: getattr(self, n) for n in self._names}
         return PreparedWeight(self.kernel, tensors, self.out_features, self.in_features)
 
-    def attach_gemv(self) -> None:
-        """Also keep an int8 weight in fbgemm's packed layout and multiply up to `GEMV_ROWS` rows through
-        that copy (CPU): twice the weight's memory for ~1.8x faster single-row products, same results."""
-        if not isinstance(self.method, Int8Method):
-            raise QuantizationError(f"the packed GEMV is for int8 weights, not {self.method.name}")
-        self.gemv = self.method.pack_gemv(self.prepared())
+    def use_cpu_gemv(self) -> bool:
+        """Switch to the form our CPU GEMV kernels read (`WeightMethod.gemv_form`; call `kernels.load()`
+        first), in place of the current one; False, and nothing changed, where the method has none."""
+        form = self.method.gemv_form(self.prepared())
+        if form is None:
+            return False
+        for name in self._names:
+            delattr(self, name)
+        self._names = tuple(form.tensors)
+        for name, tensor in form.tensors.items():
+            self.register_buffer(name, tensor)
+        self.kernel = form.kernel
+        return True
 
     def kernel_for(self, num_tokens: int) -> str:
         """The code path `forward` takes for `num_tokens` rows."""
-        if self.gemv is not None and num_tokens <= GEMV_ROWS:
-            return "fbgemm_gemv"
         return self.method.kernel_for(self.prepared(), num_tokens)
 
     def weight_nbytes(self) -> int:
-        """Bytes of quantized weight storage (bias excluded), the packed GEMV copy included."""
-        return self.prepared().nbytes() + (self.gemv.nbytes if self.gemv is not None else 0)
+        """Bytes of quantized weight storage (bias excluded)."""
+        return self.prepared().nbytes()
 
     def _matmul(self, x2: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        if self.gemv is not None and x2.shape[0] <= GEMV_ROWS:
-            return self.method.apply_gemv(self.gemv, x2, out)  # type: ignore[attr-defined]
         if out is None:
             return self.method.apply(self.prepared(), x2)
         return self.method.apply_into(self.prepared(), x2, out)
@@ -156,7 +157,10 @@ class QuantEmbedding(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.state().values())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+        # checked eagerly only: reading the ids splits a compiled graph (three extra graphs a step, ~1 ms),
+        # and there the generated indexing asserts its bounds itself
+        eager = not torch.compiler.is_compiling()
+        if eager and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise QuantizationError(f"token id out of range [0, {self.num_embeddings})")
         return self.method.embedding_rows(self.state(), ids, self.dtype)
 

@@ -1,0 +1,327 @@
+// Quantized matmuls for x86 CPUs that multiply integer codes, built at first use by kernels/__init__.py.
+//
+// At one sequence a decode step is a string of matrix-vector products, bound by how fast the weights
+// stream from memory. torch's kernels for them convert every weight to float before multiplying (int4)
+// or pack a second copy of the weight (fbgemm, int8). These multiply integer codes by int8 activation
+// codes with AVX512-VNNI (`vpdpbusd`: 64 u8 x s8 products summed into 16 int32 lanes per instruction),
+// so the work per weight byte is a load, a mask and a fraction of one instruction.
+//
+//   int8_gemv:  int8 codes [N, K] (row-major: the same buffer the embedding lookup and `_int_mm` read) x
+//               per-token int8 activation codes. The int32 sums are exact and the epilogue scales by the
+//               weight scale then the token scale, so the result is bit for bit `_int_mm`'s.
+//   int4_gemv:  4-bit codes in a row-tiled layout (int4_pack), group-wise scales and zero points, x
+//               activations quantized here per group of the weight's group size (as llama.cpp's Q8_0
+//               blocks): W4A8. The group sums are exact int32, (codes - zero) folded in as integers.
+//
+// Without AVX512-VNNI (or built for another CPU) the same arithmetic runs as plain loops.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define EDGEINFER_VNNI 1
+#else
+#define EDGEINFER_VNNI 0
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;  // int4 rows per tile: one int32 lane each
+constexpr int64_t kSlab = 8;   // int4 inputs per 64-byte slab of a tile (low nibbles 0-3, high 4-7)
+constexpr int64_t kRowBlock = 4;  // activation rows that share one pass over a weight tile
+
+// ---------------------------------------------------------------------------------------------
+// int8 x int8, row-major weights
+
+// Sum of int8 codes of one activation row: `vpdpbusd` wants an unsigned operand, so the weights are
+// offset by 128 and 128 * sum(a) is taken back out.
+int32_t code_sum(const int8_t* a, int64_t k) {
+  int32_t s = 0;
+  for (int64_t i = 0; i < k; ++i) s += a[i];
+  return s;
+}
+
+#if EDGEINFER_VNNI
+int32_t dot_u8w_s8a(const int8_t* w, const int8_t* a, int64_t k) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 128 <= k; i += 128) {
+    __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(w + i), flip);
+    __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(w + i + 64), flip);
+    acc0 = _mm512_dpbusd_epi32(acc0, w0, _mm512_loadu_si512(a + i));
+    acc1 = _mm512_dpbusd_epi32(acc1, w1, _mm512_loadu_si512(a + i + 64));
+  }
+  for (; i < k; i += 64) {
+    // a masked-off weight byte reads 0 and flips to 128, against an activation byte of 0: adds nothing
+    const __mmask64 m = k - i >= 64 ? ~0ULL : (1ULL << (k - i)) - 1;
+    __m512i w0 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w + i), flip);
+    acc0 = _mm512_dpbusd_epi32(acc0, w0, _mm512_maskz_loadu_epi8(m, a + i));
+  }
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(acc0, acc1));
+}
+#endif
+
+int32_t dot_i8(const int8_t* w, const int8_t* a, int64_t k, int32_t a_sum) {
+#if EDGEINFER_VNNI
+  return dot_u8w_s8a(w, a, k) - 128 * a_sum;
+#else
+  (void)a_sum;
+  int32_t s = 0;
+  for (int64_t i = 0; i < k; ++i) s += int32_t(w[i]) * int32_t(a[i]);
+  return s;
+#endif
+}
+
+void check_int8(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& w, const at::Tensor& w_scale) {
+  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar, "int8_gemv: xq must be int8 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(1) == xq.size(1),
+              "int8_gemv: w must be int8 [N, K]");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == w.size(0), "int8_gemv: w_scale");
+  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.numel() == xq.size(0), "int8_gemv: x_scale");
+}
+
+void int8_gemv_out(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& w,
+                   const at::Tensor& w_scale, at::Tensor& out) {
+  check_int8(xq, x_scale, w, w_scale);
+  const int64_t m_rows = xq.size(0), n = w.size(0), k = w.size(1);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == m_rows &&
+              out.size(1) == n, "int8_gemv_out: out must be contiguous fp32 [M, N]");
+  const auto a = xq.contiguous();
+  const auto wc = w.contiguous();
+  const auto ws = w_scale.contiguous();
+  const auto xs = x_scale.contiguous();
+  const int8_t* ap = a.data_ptr<int8_t>();
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* wsp = ws.data_ptr<float>();
+  const float* xsp = xs.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  std::vector<int32_t> sums(m_rows);
+  for (int64_t m = 0; m < m_rows; ++m) sums[m] = code_sum(ap + m * k, k);
+  at::parallel_for(0, n, 1024, [&](int64_t n0, int64_t n1) {
+    for (int64_t j = n0; j < n1; ++j) {
+      for (int64_t m = 0; m < m_rows; ++m) {
+        const int32_t d = dot_i8(wp + j * k, ap + m * k, k, sums[m]);
+        // float(int32) * weight scale * token scale: `_int_mm`'s epilogue, in its order
+        op[m * n + j] = static_cast<float>(d) * wsp[j] * xsp[m];
+      }
+    }
+  });
+}
+
+at::Tensor int8_gemv(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& w,
+                     const at::Tensor& w_scale) {
+  check_int8(xq, x_scale, w, w_scale);
+  auto out = at::empty({xq.size(0), w.size(0)}, xq.options().dtype(at::kFloat));
+  int8_gemv_out(xq, x_scale, w, w_scale, out);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// int4 x int8, row-tiled weights
+//
+// Layout (int4_pack): for each tile of 16 rows, K/8 slabs of 64 bytes; byte 4r + j of slab s holds row r's
+// codes for inputs 8s + j (low nibble) and 8s + 4 + j (high nibble). So one 64-byte load, masked and
+// shifted, gives two registers whose int32 lane r holds four consecutive codes of row r: one `vpdpbusd`
+// against four broadcast activation codes advances all 16 rows by four inputs.
+// Scales: bf16 [N/16, K/G, 16]; zero points: uint8 [N/16, K/G, 16].
+
+struct ActGroups {
+  std::vector<int8_t> q;    // [M, K] codes
+  std::vector<float> scale;  // [M, K/G]
+  std::vector<int32_t> sum;  // [M, K/G]: sum of codes, for the zero point term
+};
+
+template <typename T>
+ActGroups quantize_groups(const T* x, int64_t m_rows, int64_t k, int64_t g) {
+  const int64_t ng = k / g;
+  ActGroups a{std::vector<int8_t>(m_rows * k), std::vector<float>(m_rows * ng), std::vector<int32_t>(m_rows * ng)};
+  for (int64_t m = 0; m < m_rows; ++m) {
+    for (int64_t b = 0; b < ng; ++b) {
+      const T* xb = x + m * k + b * g;
+      float amax = 0.f;
+      for (int64_t i = 0; i < g; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xb[i])));
+      const float s = amax / 127.f;
+      const float inv = s > 0.f ? 1.f / s : 0.f;
+      int32_t sum = 0;
+      int8_t* qb = a.q.data() + m * k + b * g;
+      for (int64_t i = 0; i < g; ++i) {
+        const float v = std::nearbyint(static_cast<float>(xb[i]) * inv);
+        qb[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+        sum += qb[i];
+      }
+      a.scale[m * ng + b] = s;
+      a.sum[m * ng + b] = sum;
+    }
+  }
+  return a;
+}
+
+inline float bf16_bits_to_float(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// One tile of 16 rows against `mb` (<= kRowBlock) activation rows; writes out[m][16]. `mb` and the group
+// size are template arguments so that the loops unroll and the accumulators live in registers.
+template <int64_t mb, int64_t g>
+void int4_tile(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t k,
+               const ActGroups& a, int64_t m0, float* out) {
+  constexpr int64_t slabs = g / kSlab;
+  const int64_t ng = k / g;
+  const int8_t* aq = a.q.data() + m0 * k;
+  const float* as = a.scale.data() + m0 * ng;
+  const int32_t* asum = a.sum.data() + m0 * ng;
+#if EDGEINFER_VNNI
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[mb];
+  for (int64_t m = 0; m < mb; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < ng; ++b) {
+    // four accumulators per row (low / high nibbles x even / odd slabs): `vpdpbusd` has a latency of
+    // several cycles, and one chain per row would wait on it
+    __m512i dot[mb][4];
+    for (int64_t m = 0; m < mb; ++m)
+      for (auto& d : dot[m]) d = _mm512_setzero_si512();
+    const uint8_t* cb = codes + b * slabs * 64;
+    for (int64_t s = 0; s < slabs; ++s) {
+      const __m512i v = _mm512_loadu_si512(cb + s * 64);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const int64_t i = b * g + s * kSlab, c = 2 * (s & 1);
+      for (int64_t m = 0; m < mb; ++m) {
+        int32_t q03, q47;
+        std::memcpy(&q03, aq + m * k + i, 4);
+        std::memcpy(&q47, aq + m * k + i + 4, 4);
+        dot[m][c] = _mm512_dpbusd_epi32(dot[m][c], lo, _mm512_set1_epi32(q03));
+        dot[m][c + 1] = _mm512_dpbusd_epi32(dot[m][c + 1], hi, _mm512_set1_epi32(q47));
+      }
+    }
+    const __m512i zp = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + b * kTile)));
+    const __m512i sb = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * kTile)));
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(sb, 16));
+    for (int64_t m = 0; m < mb; ++m) {
+      // sum((q - zp) * a) = sum(q * a) - zp * sum(a), exact in int32
+      const __m512i d = _mm512_add_epi32(_mm512_add_epi32(dot[m][0], dot[m][1]), _mm512_add_epi32(dot[m][2], dot[m][3]));
+      const __m512i c = _mm512_sub_epi32(d, _mm512_mullo_epi32(zp, _mm512_set1_epi32(asum[m * ng + b])));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(sc, _mm512_set1_ps(as[m * ng + b])), acc[m]);
+    }
+  }
+  for (int64_t m = 0; m < mb; ++m) _mm512_storeu_ps(out + m * kTile, acc[m]);
+#else
+  for (int64_t m = 0; m < mb; ++m) {
+    float acc[kTile] = {};
+    for (int64_t b = 0; b < ng; ++b) {
+      const int64_t ag = m * ng + b;
+      for (int64_t r = 0; r < kTile; ++r) {
+        int32_t dot = 0;
+        for (int64_t s = 0; s < slabs; ++s) {
+          const uint8_t* slab = codes + (b * slabs + s) * 64 + 4 * r;
+          const int8_t* q = aq + m * k + b * g + s * kSlab;
+          for (int64_t j = 0; j < 4; ++j) dot += (slab[j] & 15) * q[j] + (slab[j] >> 4) * q[4 + j];
+        }
+        const int32_t c = dot - int32_t(zeros[b * kTile + r]) * asum[ag];
+        acc[r] = std::fma(static_cast<float>(c), bf16_bits_to_float(scales[b * kTile + r]) * as[ag], acc[r]);
+      }
+    }
+    std::memcpy(out + m * kTile, acc, sizeof acc);
+  }
+#endif
+}
+
+using TileFn = void (*)(const uint8_t*, const uint16_t*, const uint8_t*, int64_t, const ActGroups&, int64_t, float*);
+
+template <int64_t mb>
+TileFn pick_group(int64_t g) {
+  switch (g) {
+    case 32: return int4_tile<mb, 32>;
+    case 64: return int4_tile<mb, 64>;
+    case 128: return int4_tile<mb, 128>;
+    default: TORCH_CHECK(false, "int4_gemv: group size ", g, " is not 32, 64 or 128");
+  }
+}
+
+TileFn pick_tile(int64_t mb, int64_t g) {
+  switch (mb) {
+    case 1: return pick_group<1>(g);
+    case 2: return pick_group<2>(g);
+    case 3: return pick_group<3>(g);
+    default: return pick_group<4>(g);
+  }
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& zeros, int64_t group) {
+  TORCH_CHECK(x.dim() == 2, "int4_gemv: x must be [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int4_gemv: x fp32 or bf16");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == 64,
+              "int4_gemv: codes must be uint8 [N/16, K/8, 64]");
+  const int64_t m_rows = x.size(0), k = x.size(1), tiles = codes.size(0), n = tiles * kTile;
+  TORCH_CHECK(group % kSlab == 0 && k % group == 0 && codes.size(1) * kSlab == k, "int4_gemv: shapes");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.numel() == n * (k / group), "int4_gemv: scales");
+  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.numel() == n * (k / group), "int4_gemv: zeros");
+  const auto xc = x.contiguous();
+  const auto cc = codes.contiguous();
+  const auto sc = scales.contiguous();
+  const auto zc = zeros.contiguous();
+  const ActGroups a = x.scalar_type() == at::kFloat
+      ? quantize_groups(xc.data_ptr<float>(), m_rows, k, group)
+      : quantize_groups(xc.data_ptr<at::BFloat16>(), m_rows, k, group);
+  auto out = at::empty({m_rows, n}, x.options());
+  const uint8_t* cp = cc.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
+  const uint8_t* zp = zc.data_ptr<uint8_t>();
+  const int64_t ng = k / group;
+  float* of = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
+  at::BFloat16* ob = of ? nullptr : out.data_ptr<at::BFloat16>();
+  const TileFn full = pick_tile(kRowBlock, group);  // checks the group size before the threads start
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    float buf[kRowBlock * kTile];
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kRowBlock) {
+        const int64_t mb = std::min(kRowBlock, m_rows - m0);
+        const TileFn tile = mb == kRowBlock ? full : pick_tile(mb, group);
+        const uint8_t* ct = cp + t * (k / kSlab) * 64;
+        const uint16_t* st = sp + t * ng * kTile;
+        const uint8_t* zt = zp + t * ng * kTile;
+        tile(ct, st, zt, k, a, m0, buf);
+        for (int64_t m = 0; m < mb; ++m) {
+          for (int64_t r = 0; r < kTile; ++r) {
+            const float v = buf[m * kTile + r];
+            const int64_t o = (m0 + m) * n + t * kTile + r;
+            if (of) of[o] = v;
+            else ob[o] = at::BFloat16(v);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+bool has_vnni() { return EDGEINFER_VNNI; }
+
+}  // namespace
+
+TORCH_LIBRARY(edgeinfer_cpu, m) {
+  m.def("int8_gemv(Tensor xq, Tensor x_scale, Tensor w, Tensor w_scale) -> Tensor");
+  m.def("int8_gemv_out(Tensor xq, Tensor x_scale, Tensor w, Tensor w_scale, Tensor(a!) out) -> ()");
+  m.def("int4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group) -> Tensor");
+  m.def("has_vnni() -> bool", has_vnni);
+}
+
+TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {
+  m.impl("int8_gemv", int8_gemv);
+  m.impl("int8_gemv_out", int8_gemv_out);
+  m.impl("int4_gemv", int4_gemv);
+}

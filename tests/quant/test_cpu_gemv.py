@@ -1,0 +1,150 @@
+"""Our CPU GEMV kernels (quant/kernels, `--cpu-gemv`): int8 bit for bit as `_int_mm`, int4 as W4A8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgeinfer.engine.config import EngineConfig
+from edgeinfer.engine.engine import LLMEngine
+from edgeinfer.engine.loading import parse_quantization
+from edgeinfer.engine.quant import QuantLinear, kernels
+from edgeinfer.engine.quant.int4 import Int4Method, _int4pack_codes
+from edgeinfer.types import SamplingParams
+
+GEMV_ROWS = kernels.GEMV_ROWS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    kernels.load()  # a build failure fails the tests: a C++ compiler is part of the setup
+
+
+def _layer(method: str, out: int = 1000, inp: int = 256) -> QuantLinear:
+    g = torch.Generator().manual_seed(0)
+    return QuantLinear.from_float(torch.randn(out, inp, generator=g) * 0.05, None, parse_quantization(method))
+
+
+def _x(rows: int, inp: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)).to(dtype)
+
+
+@pytest.mark.parametrize("method", ["int8", "int8:0"])  # with and without the Hadamard rotation
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemv_is_bit_exact_against_int_mm(method, dtype):
+    plain, fast = _layer(method), _layer(method)
+    assert fast.use_cpu_gemv()
+    for rows in (1, 3, 5, GEMV_ROWS):
+        x = _x(rows, 256, dtype)
+        assert fast.kernel_for(rows) == "cpu_gemv" and plain.kernel_for(rows) == "int_mm"
+        assert torch.equal(fast(x), plain(x))
+        out_a, out_b = torch.empty(rows, 1000), torch.empty(rows, 1000)
+        assert torch.equal(fast.forward_into(x.float(), out_a), plain.forward_into(x.float(), out_b))
+    assert fast.kernel_for(GEMV_ROWS + 1) == "int_mm"  # wider inputs keep `_int_mm`
+    assert fast.weight_nbytes() == plain.weight_nbytes()  # the same codes, no second copy
+
+
+def test_int8_gemv_handles_rows_that_are_not_whole_vectors():
+    plain, fast = _layer("int8:0", 256, 200), _layer("int8:0", 256, 200)  # 200 = 3 x 64 + 8
+    assert fast.use_cpu_gemv()
+    x = _x(2, 200)
+    assert torch.equal(fast(x), plain(x))
+
+
+def test_int8_gemv_leaves_kn_stored_weights_alone():
+    layer = _layer("int8", out=100, inp=256)  # K > N: stored [K, N] for `_int_mm`
+    assert not layer.use_cpu_gemv() and layer.kernel == "int_mm"
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_codes_come_back_exactly_from_the_cpu_layout(group):
+    m = Int4Method(group)
+    state = m.quantize(torch.randn(192, 256, generator=torch.Generator().manual_seed(1)))
+    prepared = m.prepare(state, "cpu")
+    q, zero, scale = _int4pack_codes(prepared.tensors, 256)
+    u = m.unpack(state)
+    assert torch.equal(q, u["q"]) and torch.equal(zero, u["zero"]) and torch.equal(scale, u["scale"])
+
+
+def _w4a8_reference(x: torch.Tensor, state: dict[str, torch.Tensor], m: Int4Method) -> torch.Tensor:
+    """W4A8 in float64: activations rounded per group of the weight's, then exact sums."""
+    g = m.group_size
+    u = m.unpack(state)
+    xg = x.double().unflatten(-1, (-1, g))
+    xs = xg.abs().amax(-1, keepdim=True) / 127
+    xq = torch.where(xs > 0, torch.round(xg / xs), 0).clamp(-127, 127) * xs
+    w = (u["q"].double().unflatten(-1, (-1, g)) - u["zero"].double().unsqueeze(-1)) * u[
+        "scale"
+    ].double().unsqueeze(-1)
+    return xq.flatten(-2) @ w.flatten(-2).t()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_gemv_is_w4a8(group, dtype):
+    method = f"int4:{group}"
+    plain, fast = _layer(method, 256, 512), _layer(method, 256, 512)
+    assert fast.use_cpu_gemv() and fast.kernel == "cpu_w4a8"
+    m = fast.method
+    state = m.quantize(torch.randn(256, 512, generator=torch.Generator().manual_seed(0)) * 0.05)
+    for rows in (1, 3, 5, 17, 64):  # every row count: 4 at a time, then the rest
+        x = _x(rows, 512, dtype)
+        assert fast.kernel_for(rows) == "cpu_w4a8"
+        y = fast(x)
+        assert y.dtype == dtype
+        ref = _w4a8_reference(x, state, m)
+        # fp32 sums of exact int32 group dots; a bf16 output rounds once more (half a unit in 2^8)
+        bf16 = dtype == torch.bfloat16
+        atol = ref.abs().max().item() * (2**-8 if bf16 else 1e-6)
+        torch.testing.assert_close(y.double(), ref, rtol=2**-8 if bf16 else 1e-5, atol=atol)
+        # against int4 x float activations: the int8 rounding of x costs < 1 % here
+        w16 = plain(x.float())
+        assert ((y.float() - w16).norm() / w16.norm()) < 0.01
+
+
+def test_int4_gemv_form_is_smaller_than_torchs():
+    plain, fast = _layer("int4", 256, 512), _layer("int4", 256, 512)
+    assert fast.use_cpu_gemv()
+    assert fast.weight_nbytes() == 256 * 512 // 2 + 3 * 256 * 512 // 32  # codes, bf16 scales, zero points
+    assert fast.weight_nbytes() < plain.weight_nbytes()
+
+
+def _engine(model: str, quantization: str, cpu_gemv: bool) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(model=model, quantization=quantization, cpu_gemv=cpu_gemv, num_kv_blocks=64)
+    )
+
+
+PROMPTS = [[5, 9, 17, 33], [2, 4, 6, 8, 10, 12]]
+
+
+def test_engine_int8_cpu_gemv_keeps_outputs(tiny_models):
+    plain, fast = _engine(tiny_models["llama"], "int8", False), _engine(tiny_models["llama"], "int8", True)
+    assert fast.model.lm_head.kernel_for(1) == "cpu_gemv"
+    assert fast.layout.weight_bytes == plain.layout.weight_bytes
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+    for a, b in zip(plain.generate(PROMPTS, sp), fast.generate(PROMPTS, sp), strict=True):
+        assert a.token_ids == b.token_ids
+        assert [o.logprobs for o in a.outputs] == [o.logprobs for o in b.outputs]
+
+
+def test_engine_int4_cpu_gemv_decodes_like_w4a16(tiny_models):
+    plain, fast = _engine(tiny_models["llama"], "int4", False), _engine(tiny_models["llama"], "int4", True)
+    kinds = {m.kernel for m in fast.model.modules() if isinstance(m, QuantLinear)}
+    assert {"cpu_w4a8", "cpu_gemv"} <= kinds  # the int4 body and the int8 lm_head
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    for a, b in zip(plain.generate(PROMPTS, sp), fast.generate(PROMPTS, sp), strict=True):
+        assert a.token_ids == b.token_ids
+        for pa, pb in zip(a.outputs, b.outputs, strict=True):
+            assert [t.logprob for t in pa.logprobs] == pytest.approx(
+                [t.logprob for t in pb.logprobs], abs=0.02
+            )
+
+
+@pytest.mark.parametrize("flags", [[], ["--quantization", "fp8"]])
+def test_serve_refuses_cpu_gemv_without_int8_or_int4_weights(flags, tiny_models, capsys):
+    from edgeinfer.node.cli import main
+
+    assert main(["--model", tiny_models["llama"], "--cpu-gemv", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cpu_gemv needs int8 or int4 weights on CPU" in err
