@@ -148,15 +148,16 @@ def llama_server(
         server.stop()
 
 
-def quantize(src: Path, dst: Path, qtype: str) -> Path:
+def quantize(src: Path, dst: Path, qtype: str, extra: tuple[str, ...] = ()) -> Path:
     """Convert a GGUF with llama-quantize: every tensor is dequantized to fp32, then written as `qtype`.
 
     `--allow-requantize` is needed because the source is already quantized. To BF16 this is exact up to bf16
     rounding (the same values our engine gets by dequantizing the Q4_K_M file); to Q8_0 it re-quantizes.
+    `extra`: more llama-quantize flags (`--pure`, `--token-embedding-type q8_0`, ...).
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_suffix(".partial")
-    cmd = [str(binary("llama-quantize")), "--allow-requantize", str(src), str(tmp), qtype]
+    cmd = [str(binary("llama-quantize")), "--allow-requantize", *extra, str(src), str(tmp), qtype]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     tmp.replace(dst)  # only a complete file gets the final name, so a cached file is never truncated
     return dst

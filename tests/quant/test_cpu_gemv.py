@@ -148,3 +148,19 @@ def test_serve_refuses_cpu_gemv_without_int8_or_int4_weights(flags, tiny_models,
     assert main(["--model", tiny_models["llama"], "--cpu-gemv", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cpu_gemv needs int8 or int4 weights on CPU" in err
+
+
+# int8 without the rotation: torch's rotation matmul itself may round differently on two threads
+@pytest.mark.parametrize("method", ["int8:0", "int4"])
+def test_kernels_split_rows_across_threads_without_changing_results(method):
+    layer = _layer(method, 4096, 256)  # int8: 4 blocks of 1,024 rows; int4: 256 tiles of 16 rows
+    assert layer.use_cpu_gemv()
+    x = _x(3, 256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), one)
+    finally:
+        torch.set_num_threads(threads)
