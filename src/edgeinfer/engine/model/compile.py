@@ -9,9 +9,9 @@ prefill chunks) recompiles the graph, minutes each (measured: serving at 8 concu
 batched decodes compiled, TPOT p50 went to 886 ms). The context length is dynamic, so the one graph lasts.
 
 Measured on Gemma 3 270M int4, 1 thread: one sequence 28.0 -> 20.5 ms a step in-process; with our CPU
-kernels (`--cpu-gemv`) 14.1 ms, serving TPOT p50 13.7 ms; compiling takes ~2-3 minutes on first use. Inductor's fused
-fp32 intermediates can change greedy tokens, so it is opt-in. Compiling needs a C++ compiler at run time;
-when it fails the steps run eagerly, with a warning, rather than the engine failing.
+kernels (`--cpu-gemv`) 14.1 ms, serving TPOT p50 13.7 ms; compiling takes ~2-3 minutes on first use.
+Inductor's fused fp32 intermediates can change greedy tokens, so it is opt-in. Compiling needs a C++
+compiler at run time; when it fails the steps run eagerly, with a warning, rather than the engine failing.
 """
 
 from __future__ import annotations

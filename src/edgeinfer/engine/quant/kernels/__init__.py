@@ -1,7 +1,7 @@
 """Our CPU GEMV kernels (cpu_gemv.cpp), compiled for this machine's CPU at first use.
 
-`load()` builds the extension with torch's C++ toolchain (a C++ compiler and ninja; ~1 minute once, then
-cached under torch's extension directory) and registers `torch.ops.edgeinfer_cpu.*`. The ops have fake
+`load()` builds the extension with torch's C++ toolchain (a C++ compiler and ninja; ~10 s once, then cached
+under torch's extension directory) and registers `torch.ops.edgeinfer_cpu.*`. The ops have fake
 implementations, so they run inside `torch.compile` graphs as library calls.
 
 - `int8_gemv(xq, x_scale, w, w_scale)`: per-token int8 codes x row-major int8 weights -> fp32, bit for bit
