@@ -28,6 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--quantization", default=None, help="weight quantization: int8, int4, fp8")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument(
+        "--cpu-gemv",
+        action="store_true",
+        help="int8/int4 through our CPU kernels (int4 as W4A8; docs/quantization.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            cpu_gemv=args.cpu_gemv,
             batch_window_ms=0,
         )
     )
