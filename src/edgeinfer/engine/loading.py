@@ -89,6 +89,8 @@ def _use_cpu_gemv(model: nn.Module) -> None:
     if not switched:
         raise ValueError("cpu_gemv: no layer of this model has a form the CPU GEMV kernels read")
     log.info("CPU GEMV kernels: %d of %d quantized layers", switched, len(layers))
+    if not torch.ops.edgeinfer_cpu.has_vnni():
+        log.warning("cpu_gemv: no AVX512-VNNI here; the kernels run as plain loops, slower than torch's")
 
 
 def _quantize_float_model(
