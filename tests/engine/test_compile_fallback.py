@@ -1,6 +1,7 @@
 """`EngineConfig.compile` runs one-sequence decode steps through torch.compile; a compile failure (no C++
 compiler on the machine, an unsupported op) must leave the engine serving the same tokens eagerly.
-Compiling for real takes minutes on these CPUs, so it is measured in bench runs, not here."""
+Compiling Gemma takes minutes on these CPUs, so its speed is measured in bench runs; tiny models compile for
+real in test_compile_models.py."""
 
 from __future__ import annotations
 
