@@ -33,7 +33,8 @@ class DecodeCompiledForward:
         # cpp_wrapper: the graph's own launcher is C++ too, which is where a small step's time goes.
         # guard_filter_fn: no guards on the model's modules and the code's globals, which nothing changes
         # once loaded (the model's forward reads module state and writes none when compiling); the
-        # ~8,000 guards of a Gemma 3 270M graph took 1.2-1.4 ms a step. Guards on the step's inputs stay.
+        # ~8,000 guards of a Gemma 3 270M graph took 1.2-1.4 ms a step. Guards on the step's inputs stay,
+        # and each model keeps its own graph (tests/engine/test_compile_models.py: two of one class).
         options = {"cpp_wrapper": True, "guard_filter_fn": _skip_model_and_global_guards}
         self.compiled: Any = torch.compile(model.forward, dynamic=True, options=options)
 
