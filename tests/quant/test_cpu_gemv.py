@@ -1,4 +1,5 @@
-"""Our CPU GEMV kernels (quant/kernels, `--cpu-gemv`): int8 bit for bit as `_int_mm`, int4 as W4A8."""
+"""Our CPU GEMV kernels (quant/kernels, `--cpu-gemv`, default where the CPU has AVX512-VNNI): int8 bit for
+bit as `_int_mm`, int4 as W4A8."""
 
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def test_int4_gemv_form_is_smaller_than_torchs():
     assert fast.weight_nbytes() < plain.weight_nbytes()
 
 
-def _engine(model: str, quantization: str, cpu_gemv: bool) -> LLMEngine:
+def _engine(model: str, quantization: str | None, cpu_gemv: bool | None) -> LLMEngine:
     return LLMEngine(
         EngineConfig(model=model, quantization=quantization, cpu_gemv=cpu_gemv, num_kv_blocks=64)
     )
@@ -139,6 +140,47 @@ def test_engine_int4_cpu_gemv_decodes_like_w4a16(tiny_models):
             assert [t.logprob for t in pa.logprobs] == pytest.approx(
                 [t.logprob for t in pb.logprobs], abs=0.02
             )
+
+
+def _kernels_used(engine: LLMEngine) -> set[str]:
+    return {m.kernel for m in engine.model.modules() if isinstance(m, QuantLinear)} & set(kernels.KERNELS)
+
+
+def test_kernels_are_the_default_where_the_cpu_has_vnni(tiny_models):
+    auto = _engine(tiny_models["llama"], "int4", None)
+    # the machine decides, and both answers are checked: CI machines may lack AVX512-VNNI
+    expected = {"cpu_w4a8", "cpu_gemv"} if kernels.cpu_has_vnni() else set()
+    assert _kernels_used(auto) == expected
+    assert not _kernels_used(_engine(tiny_models["llama"], "int4", False))  # --no-cpu-gemv
+
+
+def test_default_leaves_cpus_without_vnni_on_torchs_kernels(tiny_models, monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_has_vnni", lambda: False)  # the kernels would run as plain loops
+    assert not _kernels_used(_engine(tiny_models["llama"], "int4", None))
+    assert _kernels_used(_engine(tiny_models["llama"], "int4", True))  # asked for, they still run
+
+
+def test_default_keeps_torchs_kernels_when_the_build_fails(tiny_models, monkeypatch, caplog):
+    def broken() -> None:
+        raise kernels.KernelBuildError("could not build the CPU GEMV kernels: no compiler")
+
+    monkeypatch.setattr(kernels, "cpu_has_vnni", lambda: True)
+    monkeypatch.setattr(kernels, "load", broken)
+    auto = _engine(tiny_models["llama"], "int8", None)
+    assert not _kernels_used(auto) and auto.model.lm_head.kernel_for(1) == "int_mm"
+    assert "keep torch's kernels" in caplog.text
+    with pytest.raises(ValueError, match="cpu_gemv: could not build"):  # asked for, it is an error
+        _engine(tiny_models["llama"], "int8", True)
+
+
+def test_default_never_builds_for_float_models(tiny_models, monkeypatch):
+    def unexpected() -> None:
+        raise AssertionError("a float model started the kernel build")
+
+    monkeypatch.setattr(kernels, "cpu_has_vnni", lambda: True)
+    monkeypatch.setattr(kernels, "load", unexpected)
+    for quantization in (None, "fp8"):
+        assert not _kernels_used(_engine(tiny_models["llama"], quantization, None))
 
 
 @pytest.mark.parametrize("flags", [[], ["--quantization", "fp8"]])

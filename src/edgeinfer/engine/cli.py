@@ -30,8 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument(
         "--cpu-gemv",
-        action="store_true",
-        help="int8/int4 through our CPU kernels (int4 as W4A8; docs/quantization.md)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="int8/int4 through our CPU kernels (int4 as W4A8; docs/quantization.md); default: where the "
+        "CPU has AVX512-VNNI",
     )
 
 

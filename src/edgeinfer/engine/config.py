@@ -37,10 +37,11 @@ class EngineConfig:
     # int8 and int4 layers on CPU multiplied by our AVX512-VNNI kernels (quant/kernels, compiled for this
     # CPU at first use, ~10 s): int8 products of <= 16 rows bit for bit as `_int_mm`, on the same codes
     # (Gemma 3 270M's lm_head at one row 17.5 -> 7.8 ms); int4 with activations rounded to int8 per
-    # group (W4A8, as llama.cpp multiplies Q4/Q5 blocks by Q8 ones): 4x torch's int4 kernel at one row,
-    # 1.8x at 512. Needs a C++ compiler; off by default because W4A8 moves int4 results a little
-    # (docs/quantization.md).
-    cpu_gemv: bool = False
+    # group (W4A8, as llama.cpp multiplies Q4/Q5 blocks by Q8 ones; perplexity -0.07 % +- 0.30 % against
+    # W4A16): 4x torch's int4 kernel at one row, 1.8x at 512. None (auto): on where the CPU has
+    # AVX512-VNNI and the kernels build (a C++ compiler), else torch's kernels; True insists (an error
+    # where they cannot be used); False: torch's kernels.
+    cpu_gemv: bool | None = None
     # With `quantization` on a float checkpoint: scale layer inputs by activations measured on a short
     # built-in text before quantizing (quant/smoothing.py); a few seconds at load.
     calibrate_quantization: bool = True
@@ -70,7 +71,7 @@ class EngineConfig:
                 raise ValueError(f"gptq_calibration is for int4 weights, not {self.quantization}")
             if not self.calibrate_quantization:
                 raise ValueError("gptq_calibration needs calibrate_quantization (GPTQ rounds after scaling)")
-        if self.cpu_gemv and (self.device != "cpu" or self._weights_method() not in ("int8", "int4")):
+        if self.cpu_gemv is True and (self.device != "cpu" or self._weights_method() not in ("int8", "int4")):
             raise ValueError(
                 "cpu_gemv needs int8 or int4 weights on CPU: quantization int8 or int4 (for a quantized "
                 "checkpoint too), device cpu"

@@ -74,23 +74,36 @@ def load_model(
         model.load_weights(ckpt.iter_tensors(_load_dtype(model, dtype)))
         if config.quantization:
             _quantize_float_model(model, ckpt, config, dtype, device)
-    if config.cpu_gemv:
-        _use_cpu_gemv(model)
+    if config.cpu_gemv or (config.cpu_gemv is None and device.type == "cpu" and kernels.cpu_has_vnni()):
+        _use_cpu_gemv(model, required=bool(config.cpu_gemv))
     return model.eval().requires_grad_(False)
 
 
-def _use_cpu_gemv(model: nn.Module) -> None:
+def _use_cpu_gemv(model: nn.Module, required: bool) -> None:
+    """Move the int8 / int4 layers onto our CPU kernels. Asked for (`required`), a model without such
+    layers or a failed build is an error; by default (auto) both leave torch's kernels, the latter with a
+    warning, and float models never start the build."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.method.name in kernels.METHODS]
+    if not layers and not required:
+        return
     try:
         kernels.load()
     except kernels.KernelBuildError as e:
+        if not required:
+            log.warning("%s; int8/int4 layers keep torch's kernels", e)
+            return
         raise ValueError(f"cpu_gemv: {e}") from None
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     switched = sum(m.use_cpu_gemv() for m in layers)
-    if not switched:
+    if not switched and required:
         raise ValueError("cpu_gemv: no layer of this model has a form the CPU GEMV kernels read")
-    log.info("CPU GEMV kernels: %d of %d quantized layers", switched, len(layers))
+    log.info("CPU GEMV kernels: %d of %d int8/int4 layers", switched, len(layers))
     if not torch.ops.edgeinfer_cpu.has_vnni():
         log.warning("cpu_gemv: no AVX512-VNNI here; the kernels run as plain loops, slower than torch's")
+
+
+def uses_cpu_gemv(model: nn.Module) -> bool:
+    """Whether any layer of the model multiplies through our CPU kernels."""
+    return any(isinstance(m, QuantLinear) and m.kernel in kernels.KERNELS for m in model.modules())
 
 
 def _quantize_float_model(

@@ -27,7 +27,8 @@ class EvalSettings:
     """What `edgeinfer eval` measures. `quantization` / `baseline_quantization`: None is unquantized;
     `lm_head_quantization` and `calibrate`: as EngineConfig's `lm_head_quantization` and
     `calibrate_quantization`, for both sides; `gptq`: EngineConfig's `gptq_calibration`; `cpu_gemv`:
-    EngineConfig's, for the tested side only (so int4 against int4 compares W4A8 with W4A16);
+    EngineConfig's (None: auto) for the tested side, off for the baseline (so int4 against int4 compares
+    W4A8 with W4A16 where the kernels run);
     `stride` None is `window // 2`."""
 
     model: str = DEFAULT_MODEL
@@ -37,7 +38,7 @@ class EvalSettings:
     lm_head_quantization: str = "auto"
     calibrate: bool = True
     gptq: str | None = None
-    cpu_gemv: bool = False
+    cpu_gemv: bool | None = None
     dtype: str = "bfloat16"
     text: str = DEFAULT_TEXT
     tokens: int = 1024
@@ -74,7 +75,7 @@ class EvalSettings:
 
 
 def build_engine(
-    settings: EvalSettings, quantization: str | None, kv_cache_dtype: str, cpu_gemv: bool = False
+    settings: EvalSettings, quantization: str | None, kv_cache_dtype: str, cpu_gemv: bool | None = False
 ) -> LLMEngine:
     """An engine whose KV pool holds the greedy prompts and continuations (scoring uses its own pool)."""
     per_seq = -(-(settings.prefix_tokens + settings.greedy_tokens + 1) // BLOCK_SIZE)
@@ -129,10 +130,12 @@ def run_eval(settings: EvalSettings) -> EvalReport:
     start = time.perf_counter()
     text = load_text(settings.text)
     baseline = build_engine(settings, settings.baseline_quantization, "auto")
+    # One engine for both sides only when the test side cannot differ: with our CPU kernels (default where
+    # the CPU has VNNI) int4 against int4 compares W4A8 with W4A16.
     same = (
         settings.quantization == settings.baseline_quantization
         and settings.kv_cache_dtype == "auto"
-        and not settings.cpu_gemv
+        and (settings.quantization is None or settings.cpu_gemv is False)
     )
     test = (
         baseline

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from edgeinfer.engine.loading import uses_cpu_gemv
 from edgeinfer.eval.scoring import Comparison
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ class ModelSide:
     kv_cache_dtype: str
     weight_bytes: int
     kv_bytes_per_token: int
+    cpu_kernels: bool = False  # int8/int4 products through our CPU kernels (int4 as W4A8)
 
     @classmethod
     def of(cls, engine: LLMEngine, quantization: str | None) -> ModelSide:
@@ -36,6 +38,7 @@ class ModelSide:
             cfg.kv_cache_dtype,
             layout.weight_bytes,
             layout.kv_bytes_per_token,
+            uses_cpu_gemv(engine.model),
         )
 
     @property
@@ -46,7 +49,8 @@ class ModelSide:
         calibrated = "" if self.calibrated else ", uncalibrated"
         if self.gptq:
             calibrated = f", GPTQ on {self.gptq}"
-        return f"weights {self.quantization}{head}{calibrated}, KV {self.kv_cache_dtype}"
+        kernels = ", our CPU kernels" if self.cpu_kernels else ""
+        return f"weights {self.quantization}{head}{calibrated}{kernels}, KV {self.kv_cache_dtype}"
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--cpu-gemv",
-        action="store_true",
-        help="CPU: int8/int4 decode products through our VNNI kernels (int4 as W4A8; built at first use)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CPU: int8/int4 products through our AVX512-VNNI kernels (int4 as W4A8; built at first use). "
+        "Default: where the CPU has VNNI and the kernels build",
     )
     engine.add_argument(
         "--no-calibrate", action="store_true", help="quantize without activation-aware input scaling"

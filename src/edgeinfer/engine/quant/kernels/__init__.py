@@ -27,6 +27,8 @@ _SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 GEMV_ROWS = 16
 TILE = 16  # int4 rows per tile (cpu_gemv.cpp kTile)
 SLAB = 8  # int4 inputs per 64-byte slab (kSlab)
+METHODS = ("int8", "int4")  # weight methods with a form the kernels read (`WeightMethod.gemv_form`)
+KERNELS = ("cpu_gemv", "cpu_w4a8")  # `PreparedWeight.kernel` of those forms
 
 
 class KernelBuildError(RuntimeError):
@@ -57,14 +59,15 @@ def load() -> None:
     log.info("CPU GEMV kernels loaded (AVX512-VNNI: %s)", torch.ops.edgeinfer_cpu.has_vnni())
 
 
-def available() -> bool:
-    """Whether the kernels build and load here (the first call builds them)."""
+@cache
+def cpu_has_vnni() -> bool:
+    """Whether the CPU reports AVX512-VNNI (Linux's /proc/cpuinfo flags), known without building: where
+    it does not, the kernels would run as plain loops, so the default (`cpu_gemv` auto) leaves them off."""
     try:
-        load()
-    except KernelBuildError as e:
-        log.warning("%s", e)
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and " avx512_vnni" in line for line in f)
+    except OSError:
         return False
-    return True
 
 
 def _register_fakes() -> None:
