@@ -27,6 +27,7 @@ import torch
 from edgeinfer.engine.attention.storage import kv_bytes_per_token
 from edgeinfer.engine.config import DEFAULT_MODEL, EngineConfig
 from edgeinfer.engine.engine import LLMEngine
+from edgeinfer.engine.loading import uses_cpu_gemv
 from edgeinfer.engine.quant.kv import get_kv_quantizer
 from edgeinfer.eval.corpus import load_text
 from edgeinfer.eval.harness import eval_tokens
@@ -224,7 +225,12 @@ def header(meta: dict, ref_ppl: float, tokens: int, args: argparse.Namespace) ->
         "test data, `--gptq enwiki`); int8 and fp8 quantize the lm_head with their own method. Extra "
         "rows locate the error: `no rotation`, `round to nearest` (int4 without GPTQ, the load-time "
         "default), `int4:128` (groups of 128), `lm_head int4`, `uncalibrated` (no input scaling, "
-        "no clipping, no GPTQ).",
+        "no clipping, no GPTQ). "
+        + (
+            "int8 and int4 layers run on our AVX512-VNNI kernels (the default on this CPU; int4 as W4A8)."
+            if meta["cpu_kernels"]
+            else "int8 and int4 layers run on torch's kernels (int4 as W4A16): this CPU has no AVX512-VNNI."
+        ),
         "",
         f"Decode: {args.concurrency} concurrent requests, {args.prompt_len}-token random prompts, "
         f"{args.new_tokens} new tokens each (EOS ignored); tok/s of the steps after the shared "
@@ -323,6 +329,7 @@ def main() -> None:
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     engines = {w: make_engine(args.model, w, "bf16", args) for w in [*WEIGHTS, *EXTRAS]}
     rows = capacity_rows(engines)
+    our_kernels = uses_cpu_gemv(engines["int4"].model)
     measure_decode(engines, rows, args)
     ref_ppl, tokens = measure_quality(engines, rows, args)
     del engines
@@ -334,6 +341,7 @@ def main() -> None:
         "load_after": os.getloadavg()[0],
         "seconds": time.perf_counter() - start,
         "text": load_text(args.text).name,
+        "cpu_kernels": our_kernels,
     }
     table = render(rows, ref_ppl, tokens, codec, meta, args)
     print(table)
