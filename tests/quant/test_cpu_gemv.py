@@ -52,9 +52,21 @@ def test_int8_gemv_handles_rows_that_are_not_whole_vectors():
     assert torch.equal(fast(x), plain(x))
 
 
-def test_int8_gemv_leaves_kn_stored_weights_alone():
-    layer = _layer("int8", out=100, inp=256)  # K > N: stored [K, N] for `_int_mm`
-    assert not layer.use_cpu_gemv() and layer.kernel == "int_mm"
+@pytest.mark.parametrize("method", ["int8", "int8:0"])
+# K > N, so stored [K, N]; K not a multiple of 4 and N not of 64 take the masked tails
+@pytest.mark.parametrize("shape", [(100, 1001), (640, 2048), (7, 9)])
+def test_int8_gemv_on_kn_stored_weights_is_bit_exact(method, shape):
+    out, inp = shape
+    plain, fast = _layer(method, out, inp), _layer(method, out, inp)
+    assert "weight_t" in plain.prepared().tensors  # stored [K, N] for `_int_mm`
+    assert fast.use_cpu_gemv()
+    for rows in range(1, kernels.GEMV_KN_ROWS + 1):
+        assert fast.kernel_for(rows) == "cpu_gemv"
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _x(rows, inp, dtype)
+            assert torch.equal(fast(x), plain(x))
+    assert fast.kernel_for(kernels.GEMV_KN_ROWS + 1) == "int_mm"  # slower than `_int_mm` from there
+    assert fast.weight_nbytes() == plain.weight_nbytes()
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])

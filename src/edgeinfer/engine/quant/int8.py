@@ -22,7 +22,7 @@ import torch
 
 from edgeinfer.engine.quant.base import PreparedWeight, QuantizationError, ct_args, register_weight_method
 from edgeinfer.engine.quant.channelwise import ChannelwiseMethod
-from edgeinfer.engine.quant.kernels import GEMV_ROWS
+from edgeinfer.engine.quant.kernels import GEMV_KN_ROWS, GEMV_ROWS
 
 QMAX = 127  # symmetric range [-127, 127]: -128 would make the grid lopsided
 _EPILOGUE_ELEMS = 1 << 20  # outputs per column block (4 MB of fp32) ...
@@ -113,7 +113,8 @@ class Int8Method(ChannelwiseMethod):
         return prepared
 
     def kernel_for(self, weight: PreparedWeight, num_tokens: int) -> str:
-        if weight.kernel == "cpu_gemv" and num_tokens <= GEMV_ROWS:
+        rows = GEMV_KN_ROWS if "weight_t" in weight.tensors else GEMV_ROWS
+        if weight.kernel == "cpu_gemv" and num_tokens <= rows:
             return "cpu_gemv"
         device = weight.tensors["weight_scale"].device
         ok = int_mm_supported(num_tokens, weight.in_features, weight.out_features, device)
@@ -138,6 +139,9 @@ class Int8Method(ChannelwiseMethod):
         n = weight.out_features
         if self.kernel_for(weight, x.shape[0]) == "cpu_gemv":
             ops, xs = torch.ops.edgeinfer_cpu, x_scale.reshape(-1)
+            if "weight_t" in t:
+                y = ops.int8_gemv_kn(xq, xs, t["weight_t"], w_scale)
+                return (y if y.dtype == x.dtype else y.to(x.dtype)) if out is None else out.copy_(y)
             if out is not None and out.dtype == torch.float32 and out.is_contiguous():
                 ops.int8_gemv_out(xq, xs, t["weight"], w_scale, out)  # the logits buffer, filled in place
                 return out
@@ -160,9 +164,10 @@ class Int8Method(ChannelwiseMethod):
         return out
 
     def gemv_form(self, weight: PreparedWeight) -> PreparedWeight | None:
-        """A row-major `[N, K]` CPU weight as it is: `int8_gemv` reads the same codes (the shared
-        embedding table included), so switching costs no memory. `[K, N]`-stored weights keep `_int_mm`."""
-        q = weight.tensors.get("weight")
+        """A 2-D CPU weight as it is, so switching costs no memory: `int8_gemv` reads the row-major `[N, K]`
+        codes (the shared embedding table included), `int8_gemv_kn` the `[K, N]` ones of layers with more
+        inputs than outputs. Stacked experts keep `_int_mm`."""
+        q = weight.tensors.get("weight", weight.tensors.get("weight_t"))
         if q is None or q.dim() != 2 or q.device.type != "cpu":
             return None
         return PreparedWeight("cpu_gemv", dict(weight.tensors), weight.out_features, weight.in_features)

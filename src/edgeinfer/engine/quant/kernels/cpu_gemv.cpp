@@ -9,6 +9,7 @@
 //   int8_gemv:  int8 codes [N, K] (row-major: the same buffer the embedding lookup and `_int_mm` read) x
 //               per-token int8 activation codes. The int32 sums are exact and the epilogue scales by the
 //               weight scale then the token scale, so the result is bit for bit `_int_mm`'s.
+//   int8_gemv_kn: the same for weights stored [K, N] (layers with more inputs than outputs).
 //   int4_gemv:  4-bit codes in a row-tiled layout (int4_pack), group-wise scales and zero points, x
 //               activations quantized here per group of the weight's group size (as llama.cpp's Q8_0
 //               blocks): W4A8. The group sums are exact int32, (codes - zero) folded in as integers.
@@ -123,6 +124,107 @@ at::Tensor int8_gemv(const at::Tensor& xq, const at::Tensor& x_scale, const at::
   check_int8(xq, x_scale, w, w_scale);
   auto out = at::empty({xq.size(0), w.size(0)}, xq.options().dtype(at::kFloat));
   int8_gemv_out(xq, x_scale, w, w_scale, out);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// int8 x int8, [K, N] weights
+//
+// Layers with more inputs than outputs keep W^T row-major (`_int_mm`'s fast operand there, int8.py), so
+// four consecutive inputs of one output are N bytes apart. Four input rows of a block of 64 outputs are
+// interleaved in registers (`unpack` within 128-bit lanes) so that int32 lane j of register q holds
+// W[k..k+3] of output 16 * (j / 4) + 4 * q + j % 4 of the block: one `vpdpbusd` against the broadcast
+// activation codes a[k..k+3] advances 16 outputs by four inputs. Same offset trick and epilogue as above,
+// so the result is again bit for bit `_int_mm`'s.
+
+constexpr int64_t kKnBlock = 64;  // outputs per block
+constexpr int64_t kKnRows = 4;    // activation rows per pass over a block (16 accumulators)
+
+void check_int8_kn(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& w, const at::Tensor& w_scale) {
+  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar, "int8_gemv_kn: xq must be int8 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(0) == xq.size(1),
+              "int8_gemv_kn: w must be int8 [K, N]");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == w.size(1), "int8_gemv_kn: w_scale");
+  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.numel() == xq.size(0), "int8_gemv_kn: x_scale");
+}
+
+// Exact int32 sums of rows [m0, m0 + rows) against outputs [n0, n0 + 64) into acc[r * 64 + o]. `quads`:
+// each activation row's codes as int32 words of four, zero-padded to `k4 = ceil(k / 4)` words.
+void kn_block(const int8_t* w, int64_t n, int64_t k, int64_t n0, const int8_t* a, const int32_t* quads,
+              int64_t m0, int64_t rows, const int32_t* a_sums, int32_t* acc) {
+  const int64_t width = std::min(kKnBlock, n - n0);
+#if EDGEINFER_VNNI
+  const __mmask64 mask = width == kKnBlock ? ~0ULL : (1ULL << width) - 1;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i sums[kKnRows][4];
+  for (auto& row : sums)
+    for (auto& v : row) v = _mm512_setzero_si512();
+  for (int64_t i = 0; i < k; i += 4) {
+    __m512i r[4];
+    for (int64_t j = 0; j < 4; ++j)  // past the last input: weight 128 against activation 0, adds nothing
+      r[j] = i + j < k ? _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + (i + j) * n + n0), flip) : flip;
+    const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
+    const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
+    const __m512i v[4] = {_mm512_unpacklo_epi16(t0, t2), _mm512_unpackhi_epi16(t0, t2),
+                          _mm512_unpacklo_epi16(t1, t3), _mm512_unpackhi_epi16(t1, t3)};
+    const int64_t k4 = (k + 3) / 4;
+    for (int64_t rr = 0; rr < rows; ++rr) {
+      const __m512i b = _mm512_set1_epi32(quads[(m0 + rr) * k4 + i / 4]);
+      for (int q = 0; q < 4; ++q) sums[rr][q] = _mm512_dpbusd_epi32(sums[rr][q], v[q], b);
+    }
+  }
+  alignas(64) int32_t lanes[4][16];
+  for (int64_t rr = 0; rr < rows; ++rr) {
+    for (int q = 0; q < 4; ++q) _mm512_store_si512(lanes[q], sums[rr][q]);
+    for (int64_t j = 0; j < 16; ++j)
+      for (int64_t q = 0; q < 4; ++q)
+        acc[rr * kKnBlock + 16 * (j / 4) + 4 * q + j % 4] = lanes[q][j] - 128 * a_sums[m0 + rr];
+  }
+#else
+  (void)a_sums;
+  (void)quads;
+  std::fill(acc, acc + rows * kKnBlock, 0);
+  for (int64_t rr = 0; rr < rows; ++rr)
+    for (int64_t i = 0; i < k; ++i) {
+      const int32_t x = a[(m0 + rr) * k + i];
+      for (int64_t o = 0; o < width; ++o) acc[rr * kKnBlock + o] += x * int32_t(w[i * n + n0 + o]);
+    }
+#endif
+}
+
+at::Tensor int8_gemv_kn(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& w,
+                        const at::Tensor& w_scale) {
+  check_int8_kn(xq, x_scale, w, w_scale);
+  const int64_t m_rows = xq.size(0), k = w.size(0), n = w.size(1);
+  auto out = at::empty({m_rows, n}, xq.options().dtype(at::kFloat));
+  const auto a = xq.contiguous();
+  const auto wc = w.contiguous();
+  const auto ws = w_scale.contiguous();
+  const auto xs = x_scale.contiguous();
+  const int8_t* ap = a.data_ptr<int8_t>();
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* wsp = ws.data_ptr<float>();
+  const float* xsp = xs.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  std::vector<int32_t> sums(m_rows);
+  for (int64_t m = 0; m < m_rows; ++m) sums[m] = code_sum(ap + m * k, k);
+  const int64_t k4 = (k + 3) / 4;
+  std::vector<int32_t> quads(m_rows * k4, 0);
+  for (int64_t m = 0; m < m_rows; ++m) std::memcpy(quads.data() + m * k4, ap + m * k, k);
+  const int64_t blocks = (n + kKnBlock - 1) / kKnBlock;
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    std::vector<int32_t> acc(kKnRows * kKnBlock);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kKnBlock, width = std::min(kKnBlock, n - n0);
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kKnRows) {
+        const int64_t rows = std::min(kKnRows, m_rows - m0);
+        kn_block(wp, n, k, n0, ap, quads.data(), m0, rows, sums.data(), acc.data());
+        for (int64_t rr = 0; rr < rows; ++rr)
+          for (int64_t o = 0; o < width; ++o)  // `_int_mm`'s epilogue order, as int8_gemv
+            op[(m0 + rr) * n + n0 + o] = static_cast<float>(acc[rr * kKnBlock + o]) * wsp[n0 + o] * xsp[m0 + rr];
+      }
+    }
+  });
   return out;
 }
 
@@ -316,6 +418,7 @@ bool has_vnni() { return EDGEINFER_VNNI; }
 TORCH_LIBRARY(edgeinfer_cpu, m) {
   m.def("int8_gemv(Tensor xq, Tensor x_scale, Tensor w, Tensor w_scale) -> Tensor");
   m.def("int8_gemv_out(Tensor xq, Tensor x_scale, Tensor w, Tensor w_scale, Tensor(a!) out) -> ()");
+  m.def("int8_gemv_kn(Tensor xq, Tensor x_scale, Tensor w, Tensor w_scale) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group) -> Tensor");
   m.def("has_vnni() -> bool", has_vnni);
 }
@@ -323,5 +426,6 @@ TORCH_LIBRARY(edgeinfer_cpu, m) {
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {
   m.impl("int8_gemv", int8_gemv);
   m.impl("int8_gemv_out", int8_gemv_out);
+  m.impl("int8_gemv_kn", int8_gemv_kn);
   m.impl("int4_gemv", int4_gemv);
 }
