@@ -36,7 +36,7 @@ from edgeinfer.bench.process import ServerProcess, start_server  # noqa: E402
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 PEERS_DIR = REPO / "bench" / ".peers"
-TARGETS = ("llama-server", "llama-quantize")
+TARGETS = ("llama-server", "llama-quantize", "llama-imatrix")
 
 # GGML_NATIVE tunes for this CPU (AVX-512, bf16, VNNI here); the UI and TLS are switched off because the build
 # has no network and the benchmark needs neither.
@@ -88,7 +88,7 @@ def _unpack(sdist: Path, version: str) -> Path:
 
 
 def build(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) -> Path:
-    """Download, configure and build llama-server and llama-quantize; return the bin directory (cached)."""
+    """Download, configure and build the TARGETS; return the bin directory (cached)."""
     if all(binary(t, version).exists() for t in TARGETS):
         return binary(TARGETS[0], version).parent
     if shutil.which("cmake") is None:
@@ -163,6 +163,23 @@ def quantize(src: Path, dst: Path, qtype: str, extra: tuple[str, ...] = ()) -> P
     return dst
 
 
+def importance_matrix(model: Path, text: Path, dst: Path, tokens: int, threads: int) -> Path:
+    """llama.cpp's importance matrix (`llama-imatrix`: per input channel, the mean squared activation of
+    every matrix's input) of `model` over the first `tokens` tokens of `text`, in chunks of 512, for
+    `llama-quantize --imatrix`: its weighted rounding, llama.cpp's answer to activation-aware quantization."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(".partial.gguf")
+    cmd = [str(binary("llama-imatrix")), "-m", str(model), "-f", str(text), "-o", str(tmp), "-c", "512"]
+    cmd += ["--chunks", str(tokens // 512), "-t", str(threads), "--no-ppl"]
+    log = PEERS_DIR / "logs" / "llama-imatrix.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode:
+            raise RuntimeError(f"llama-imatrix failed: see {log}")
+    tmp.replace(dst)
+    return dst
+
+
 # Our precision → the llama.cpp weight type of the same class. int4 uses the shipped Q4_K_M file itself.
 PEER_WEIGHT_TYPES: dict[str, str | None] = {"int4": None, "int8": "Q8_0", "bf16": "BF16"}
 
@@ -205,7 +222,7 @@ def _main() -> int:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="build llama-server and llama-quantize under bench/.peers/")
+    b = sub.add_parser("build", help="build llama-server, llama-quantize, llama-imatrix under bench/.peers/")
     b.add_argument("--jobs", type=int, default=2)
     s = sub.add_parser("serve", help="run llama-server in the foreground until Ctrl-C")
     s.add_argument("--gguf", type=Path, required=True)
