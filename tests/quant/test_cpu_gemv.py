@@ -10,6 +10,7 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
 from edgeinfer.engine.loading import parse_quantization
 from edgeinfer.engine.quant import QuantLinear, kernels
+from edgeinfer.engine.quant.experts import quantize_expert_weights
 from edgeinfer.engine.quant.int4 import Int4Method, _int4pack_codes
 from edgeinfer.types import SamplingParams
 
@@ -120,6 +121,22 @@ def test_int4_gemv_form_is_smaller_than_torchs():
     assert fast.use_cpu_gemv()
     assert fast.weight_nbytes() == 256 * 512 // 2 + 3 * 256 * 512 // 32  # codes, bf16 scales, zero points
     assert fast.weight_nbytes() < plain.weight_nbytes()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(4, 64, 256), (3, 256, 64)])  # [experts, out, in]: K > N and K < N
+def test_expert_stacks_take_the_kernels_expert_by_expert(method, shape):
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * 0.05
+    plain, fast = (quantize_expert_weights(w, parse_quantization(method)) for _ in range(2))
+    assert fast.use_cpu_gemv() and fast.kernel in kernels.KERNELS
+    assert fast.weight_nbytes() <= plain.weight_nbytes()
+    ids = torch.tensor([0, 2, 1, 0, 2, 2])
+    x = _x(len(ids), shape[2])
+    want, got = plain.grouped_linear(x, ids), fast.grouped_linear(x, ids)
+    if method == "int8":
+        assert torch.equal(got, want)
+    else:  # W4A8 against W4A16
+        assert torch.allclose(got, want, atol=0.02 * want.abs().max().item())
 
 
 def _engine(model: str, quantization: str | None, cpu_gemv: bool | None) -> LLMEngine:

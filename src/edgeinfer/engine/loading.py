@@ -19,7 +19,7 @@ from edgeinfer.engine.quant.base import WeightMethod, get_weight_method
 from edgeinfer.engine.quant.calibrate import calibration_ids
 from edgeinfer.engine.quant.checkpoint import QuantizationConfig, apply_quantized_checkpoint
 from edgeinfer.engine.quant.kv import get_kv_quantizer
-from edgeinfer.engine.quant.layers import QuantLinear
+from edgeinfer.engine.quant.layers import PreparedModule
 from edgeinfer.engine.quant.smoothing import scale_for_quantization
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ def _use_cpu_gemv(model: nn.Module, required: bool) -> None:
     """Move the int8 / int4 layers onto our CPU kernels. Asked for (`required`), a model without such
     layers or a failed build is an error; by default (auto) both leave torch's kernels, the latter with a
     warning, and float models never start the build."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.method.name in kernels.METHODS]
+    modules = (m for m in model.modules() if isinstance(m, PreparedModule))
+    layers = [m for m in modules if m.method.name in kernels.METHODS]
     if not layers and not required:
         return
     try:
@@ -96,14 +97,14 @@ def _use_cpu_gemv(model: nn.Module, required: bool) -> None:
     switched = sum(m.use_cpu_gemv() for m in layers)
     if not switched and required:
         raise ValueError("cpu_gemv: no layer of this model has a form the CPU GEMV kernels read")
-    log.info("CPU GEMV kernels: %d of %d int8/int4 layers", switched, len(layers))
+    log.info("CPU GEMV kernels: %d of %d int8/int4 layers and expert stacks", switched, len(layers))
     if not torch.ops.edgeinfer_cpu.has_vnni():
         log.warning("cpu_gemv: no AVX512-VNNI here; the kernels run as plain loops, slower than torch's")
 
 
 def uses_cpu_gemv(model: nn.Module) -> bool:
     """Whether any layer of the model multiplies through our CPU kernels."""
-    return any(isinstance(m, QuantLinear) and m.kernel in kernels.KERNELS for m in model.modules())
+    return any(isinstance(m, PreparedModule) and m.kernel in kernels.KERNELS for m in model.modules())
 
 
 def _quantize_float_model(

@@ -7,31 +7,27 @@ tensors are plain views `tensor[e]`; a matmul on a subset of experts touches onl
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from edgeinfer.engine.quant.base import PreparedWeight, QuantizationError, WeightMethod, get_weight_method
+from edgeinfer.engine.quant.layers import PreparedModule
 
 
-class QuantizedExperts(nn.Module):
+class QuantizedExperts(PreparedModule):
     """`num_experts` quantized `[out, in]` matrices with one method; `linear(x, e)` is `x @ W_e.T`."""
 
     def __init__(self, method: WeightMethod, prepared: PreparedWeight, num_experts: int) -> None:
         super().__init__()
         self.method = method
-        self.kernel = prepared.kernel
         self.num_experts = num_experts
         self.out_features = prepared.out_features
         self.in_features = prepared.in_features
-        self._names = tuple(prepared.tensors)
-        for name, tensor in prepared.tensors.items():
-            self.register_buffer(name, tensor)
+        self._hold(prepared)
 
     def expert(self, index: int) -> PreparedWeight:
         """Runtime weight of one expert (views, no copy)."""
         if not 0 <= index < self.num_experts:
             raise QuantizationError(f"expert index {index} out of range [0, {self.num_experts})")
-        stacked = {n: getattr(self, n) for n in self._names}
-        return PreparedWeight(self.kernel, stacked, self.out_features, self.in_features).select(index)
+        return self.prepared().select(index)
 
     def linear(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """`x [M, in] @ W_index.T -> [M, out]` in `x.dtype`."""
@@ -63,9 +59,6 @@ class QuantizedExperts(nn.Module):
         """Float weight of one expert (tests, debugging): the identity multiplied through the kernel."""
         eye = torch.eye(self.in_features, dtype=dtype, device=self._device())
         return self.linear(eye, index).t().contiguous()
-
-    def weight_nbytes(self) -> int:
-        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._names)
 
     def _device(self) -> torch.device:
         return getattr(self, self._names[0]).device

@@ -130,18 +130,15 @@ class Int4Method(WeightMethod):
     def gemv_form(self, weight: PreparedWeight) -> PreparedWeight | None:
         """A 2-D weight in the CPU layout, re-laid for `int4_gemv` (W4A8). Measured at 1 thread, 4096 x 640
         int4 (groups of 32) at 1 / 16 / 64 / 512 rows: 0.019 / 0.35 / 1.2 / 9.4 ms, against 0.079 / 1.1 /
-        5.8 / 17 ms for torch's kernel or, from 64 rows, a bf16 GEMM on the dequantized weight. Not for
-        stacked experts or an unknown packing."""
-        t = weight.tensors
-        if (
-            weight.kernel != "cpu_int4pack"
-            or t["scale_kn"].dim() != 3
-            or not _unpackable(weight.out_features)
-        ):
+        5.8 / 17 ms for torch's kernel or, from 64 rows, a bf16 GEMM on the dequantized weight. Stacked
+        experts are re-laid one by one. Not for an unknown packing."""
+        dims = weight.tensors["scale_kn"].dim() if weight.kernel == "cpu_int4pack" else 0
+        if dims not in (3, 4) or not _unpackable(weight.out_features):
             return None
-        q, zero, scale = _int4pack_codes(t, weight.in_features)
-        codes, scales, zeros = kernels.int4_pack(q, zero, scale)
-        tensors = {"codes": codes, "scales": scales, "zeros": zeros}
+        experts = [weight] if dims == 3 else [weight.select(e) for e in range(len(weight.tensors["packed"]))]
+        forms = [kernels.int4_pack(*_int4pack_codes(e.tensors, weight.in_features)) for e in experts]
+        parts = forms[0] if dims == 3 else [torch.stack(stack) for stack in zip(*forms, strict=True)]
+        tensors = dict(zip(("codes", "scales", "zeros"), parts, strict=True))
         return PreparedWeight("cpu_w4a8", tensors, weight.out_features, weight.in_features)
 
     def kernel_for(self, weight: PreparedWeight, num_tokens: int) -> str:

@@ -166,9 +166,9 @@ class Int8Method(ChannelwiseMethod):
     def gemv_form(self, weight: PreparedWeight) -> PreparedWeight | None:
         """A 2-D CPU weight as it is, so switching costs no memory: `int8_gemv` reads the row-major `[N, K]`
         codes (the shared embedding table included), `int8_gemv_kn` the `[K, N]` ones of layers with more
-        inputs than outputs. Stacked experts keep `_int_mm`."""
+        inputs than outputs; for stacked experts, each expert's slice."""
         q = weight.tensors.get("weight", weight.tensors.get("weight_t"))
-        if q is None or q.dim() != 2 or q.device.type != "cpu":
+        if q is None or q.dim() not in (2, 3) or q.device.type != "cpu":
             return None
         return PreparedWeight("cpu_gemv", dict(weight.tensors), weight.out_features, weight.in_features)
 

@@ -14,7 +14,42 @@ from edgeinfer.engine.quant.base import (
 )
 
 
-class QuantLinear(nn.Module):
+class PreparedModule(nn.Module):
+    """A module whose quantized weight (one matrix or a stack of experts) is a `PreparedWeight` kept as
+    buffers named after its tensors, so `.to()`, `state_dict()` and memory accounting see them."""
+
+    method: WeightMethod
+    out_features: int
+    in_features: int
+
+    def _hold(self, prepared: PreparedWeight) -> None:
+        self.kernel = prepared.kernel
+        self._names = tuple(prepared.tensors)
+        for name, tensor in prepared.tensors.items():
+            self.register_buffer(name, tensor)
+
+    def prepared(self) -> PreparedWeight:
+        """The runtime weight (current buffers, so it follows `.to()`)."""
+        tensors = {n: getattr(self, n) for n in self._names}
+        return PreparedWeight(self.kernel, tensors, self.out_features, self.in_features)
+
+    def use_cpu_gemv(self) -> bool:
+        """Switch to the form our CPU GEMV kernels read (`WeightMethod.gemv_form`; call `kernels.load()`
+        first), in place of the current one; False, and nothing changed, where the method has none."""
+        form = self.method.gemv_form(self.prepared())
+        if form is None:
+            return False
+        for name in self._names:
+            delattr(self, name)
+        self._hold(form)
+        return True
+
+    def weight_nbytes(self) -> int:
+        """Bytes of quantized weight storage (bias excluded)."""
+        return self.prepared().nbytes()
+
+
+class QuantLinear(PreparedModule):
     """`y = x @ W.T + b` with `W` held by a weight method in its runtime form.
 
     The runtime tensors are buffers (so `.to()`, `state_dict()` and memory accounting see them), but the
@@ -27,12 +62,9 @@ class QuantLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.method = method
-        self.kernel = prepared.kernel
         self.in_features = prepared.in_features
         self.out_features = prepared.out_features
-        self._names = tuple(prepared.tensors)
-        for name, tensor in prepared.tensors.items():
-            self.register_buffer(name, tensor)
+        self._hold(prepared)
         # a buffer, not a Parameter: loaders that fill every parameter leave quantized layers alone
         self.register_buffer("bias", bias.detach().clone() if bias is not None else None)
 
@@ -63,32 +95,9 @@ class QuantLinear(nn.Module):
         m = get_weight_method(method)
         return cls(m, m.prepare(state, device), bias)
 
-    def prepared(self) -> PreparedWeight:
-        """The runtime weight (current buffers, so it follows `.to()`)."""
-        tensors = {n: getattr(self, n) for n in self._names}
-        return PreparedWeight(self.kernel, tensors, self.out_features, self.in_features)
-
-    def use_cpu_gemv(self) -> bool:
-        """Switch to the form our CPU GEMV kernels read (`WeightMethod.gemv_form`; call `kernels.load()`
-        first), in place of the current one; False, and nothing changed, where the method has none."""
-        form = self.method.gemv_form(self.prepared())
-        if form is None:
-            return False
-        for name in self._names:
-            delattr(self, name)
-        self._names = tuple(form.tensors)
-        for name, tensor in form.tensors.items():
-            self.register_buffer(name, tensor)
-        self.kernel = form.kernel
-        return True
-
     def kernel_for(self, num_tokens: int) -> str:
         """The code path `forward` takes for `num_tokens` rows."""
         return self.method.kernel_for(self.prepared(), num_tokens)
-
-    def weight_nbytes(self) -> int:
-        """Bytes of quantized weight storage (bias excluded)."""
-        return self.prepared().nbytes()
 
     def _matmul(self, x2: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if out is None:
