@@ -1,6 +1,8 @@
 """Compiled one-sequence steps run without Dynamo's guards on module state (model/compile.py's
-`guard_filter_fn`): two models of one class compiled in one process must still get a graph each, and
-decode as they do eagerly."""
+`guard_filter_fn`): models of one class compiled in one process must each get a graph of their own (each
+model compiles a forward with its own code object) and decode as they do eagerly, including two that differ
+only in what their modules do (int8 with and without the Hadamard rotation: with a shared graph, the second
+one decoded garbage)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,16 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs
 
 
 @pytest.mark.slow
-def test_two_models_of_one_class_compile_separately(tiny_models, tmp_path, engine_factory):
+def test_models_of_one_class_compile_separately(tiny_models, tmp_path, engine_factory):
     deeper = make_tiny("llama", tmp_path / "deeper", seed=1, num_hidden_layers=3, intermediate_size=192)
-    for model in (tiny_models["llama"], str(deeper)):  # the second one compiles after the first
-        eager = engine_factory(model, dtype="float32").generate([[5, 9, 17]], GREEDY)[0]
-        compiled = engine_factory(model, dtype="float32", compile=True).generate([[5, 9, 17]], GREEDY)[0]
+    llama = tiny_models["llama"]
+    # each compiles after the ones before it
+    for model, quantization in ((llama, None), (str(deeper), None), (llama, "int8"), (llama, "int8:0")):
+        kw = {"dtype": "float32", "quantization": quantization}
+        eager = engine_factory(model, **kw).generate([[5, 9, 17]], GREEDY)[0]
+        engine = engine_factory(model, compile=True, **kw)
+        compiled = engine.generate([[5, 9, 17]], GREEDY)[0]
+        assert engine.runner.compiled.compiled is not None  # the graph ran: no fallback to eager
         assert compiled.token_ids == eager.token_ids
         got = [o.logprobs[0].logprob for o in compiled.outputs]
         assert got == pytest.approx([o.logprobs[0].logprob for o in eager.outputs], abs=1e-3)

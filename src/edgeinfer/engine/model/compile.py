@@ -17,6 +17,7 @@ compiler at run time; when it fails the steps run eagerly, with a warning, rathe
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any
 
 import torch
@@ -33,10 +34,14 @@ class DecodeCompiledForward:
         # cpp_wrapper: the graph's own launcher is C++ too, which is where a small step's time goes.
         # guard_filter_fn: no guards on the model's modules and the code's globals, which nothing changes
         # once loaded (the model's forward reads module state and writes none when compiling); the
-        # ~8,000 guards of a Gemma 3 270M graph took 1.2-1.4 ms a step. Guards on the step's inputs stay,
-        # and each model keeps its own graph (tests/engine/test_compile_models.py: two of one class).
+        # ~8,000 guards of a Gemma 3 270M graph took 1.2-1.4 ms a step. Guards on the step's inputs stay.
+        # Without module guards, nothing tells two models of one class apart, and dynamo keeps its graphs
+        # per code object: so each model compiles a forward with a code object of its own, as one graph
+        # (fullgraph: code resumed after a graph break would be shared again). Measured before: a second
+        # model of the class with another int8 rotation ran the first one's graph and decoded garbage.
         options = {"cpp_wrapper": True, "guard_filter_fn": _skip_model_and_global_guards}
-        self.compiled: Any = torch.compile(model.forward, dynamic=True, options=options)
+        forward = _own_code(model)
+        self.compiled: Any = torch.compile(forward, dynamic=True, fullgraph=True, options=options)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, backend: Any, single_decode: bool) -> Any:
         if single_decode and self.compiled is not None:
@@ -48,6 +53,14 @@ class DecodeCompiledForward:
                 log.warning("torch.compile of one-sequence decode steps failed, running them eagerly: %s", e)
                 self.compiled = None
         return self.model(ids, positions, backend)
+
+
+def _own_code(model: nn.Module) -> Any:
+    """`model.forward` bound to a copy of its function whose code object belongs to this model alone."""
+    fn = type(model).forward
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{id(model):x}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    return types.MethodType(copy, model)
 
 
 def _skip_model_and_global_guards(entries: list[Any]) -> list[bool]:
