@@ -91,23 +91,32 @@ void check_int8(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tenso
   TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.numel() == xq.size(0), "int8_gemv: x_scale");
 }
 
+// The contiguous operands of an int8 product, and each activation row's code sum (for the offset).
+struct Int8Operands {
+  at::Tensor a, w, w_scale, x_scale;
+  std::vector<int32_t> sums;
+
+  Int8Operands(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wq, const at::Tensor& ws)
+      : a(xq.contiguous()), w(wq.contiguous()), w_scale(ws.contiguous()), x_scale(xs.contiguous()),
+        sums(xq.size(0)) {
+    const int64_t k = xq.size(1);
+    for (int64_t m = 0; m < xq.size(0); ++m) sums[m] = code_sum(a.data_ptr<int8_t>() + m * k, k);
+  }
+};
+
 void int8_gemv_out(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& w,
                    const at::Tensor& w_scale, at::Tensor& out) {
   check_int8(xq, x_scale, w, w_scale);
   const int64_t m_rows = xq.size(0), n = w.size(0), k = w.size(1);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == m_rows &&
               out.size(1) == n, "int8_gemv_out: out must be contiguous fp32 [M, N]");
-  const auto a = xq.contiguous();
-  const auto wc = w.contiguous();
-  const auto ws = w_scale.contiguous();
-  const auto xs = x_scale.contiguous();
-  const int8_t* ap = a.data_ptr<int8_t>();
-  const int8_t* wp = wc.data_ptr<int8_t>();
-  const float* wsp = ws.data_ptr<float>();
-  const float* xsp = xs.data_ptr<float>();
+  const Int8Operands ops(xq, x_scale, w, w_scale);
+  const int8_t* ap = ops.a.data_ptr<int8_t>();
+  const int8_t* wp = ops.w.data_ptr<int8_t>();
+  const float* wsp = ops.w_scale.data_ptr<float>();
+  const float* xsp = ops.x_scale.data_ptr<float>();
+  const int32_t* sums = ops.sums.data();
   float* op = out.data_ptr<float>();
-  std::vector<int32_t> sums(m_rows);
-  for (int64_t m = 0; m < m_rows; ++m) sums[m] = code_sum(ap + m * k, k);
   at::parallel_for(0, n, 1024, [&](int64_t n0, int64_t n1) {
     for (int64_t j = n0; j < n1; ++j) {
       for (int64_t m = 0; m < m_rows; ++m) {
@@ -197,17 +206,12 @@ at::Tensor int8_gemv_kn(const at::Tensor& xq, const at::Tensor& x_scale, const a
   check_int8_kn(xq, x_scale, w, w_scale);
   const int64_t m_rows = xq.size(0), k = w.size(0), n = w.size(1);
   auto out = at::empty({m_rows, n}, xq.options().dtype(at::kFloat));
-  const auto a = xq.contiguous();
-  const auto wc = w.contiguous();
-  const auto ws = w_scale.contiguous();
-  const auto xs = x_scale.contiguous();
-  const int8_t* ap = a.data_ptr<int8_t>();
-  const int8_t* wp = wc.data_ptr<int8_t>();
-  const float* wsp = ws.data_ptr<float>();
-  const float* xsp = xs.data_ptr<float>();
+  const Int8Operands ops(xq, x_scale, w, w_scale);
+  const int8_t* ap = ops.a.data_ptr<int8_t>();
+  const int8_t* wp = ops.w.data_ptr<int8_t>();
+  const float* wsp = ops.w_scale.data_ptr<float>();
+  const float* xsp = ops.x_scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  std::vector<int32_t> sums(m_rows);
-  for (int64_t m = 0; m < m_rows; ++m) sums[m] = code_sum(ap + m * k, k);
   const int64_t k4 = (k + 3) / 4;
   std::vector<int32_t> quads(m_rows * k4, 0);
   for (int64_t m = 0; m < m_rows; ++m) std::memcpy(quads.data() + m * k4, ap + m * k, k);
@@ -218,7 +222,7 @@ at::Tensor int8_gemv_kn(const at::Tensor& xq, const at::Tensor& x_scale, const a
       const int64_t n0 = b * kKnBlock, width = std::min(kKnBlock, n - n0);
       for (int64_t m0 = 0; m0 < m_rows; m0 += kKnRows) {
         const int64_t rows = std::min(kKnRows, m_rows - m0);
-        kn_block(wp, n, k, n0, ap, quads.data(), m0, rows, sums.data(), acc.data());
+        kn_block(wp, n, k, n0, ap, quads.data(), m0, rows, ops.sums.data(), acc.data());
         for (int64_t rr = 0; rr < rows; ++rr)
           for (int64_t o = 0; o < width; ++o)  // `_int_mm`'s epilogue order, as int8_gemv
             op[(m0 + rr) * n + n0 + o] = static_cast<float>(acc[rr * kKnBlock + o]) * wsp[n0 + o] * xsp[m0 + rr];
