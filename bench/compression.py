@@ -40,8 +40,8 @@ from docs_table import replace_section
 WEIGHTS = {"bf16": None, "int8": "int8", "int4": "int4", "fp8": "fp8"}  # label → --quantization
 GPTQ_TEXT = "enwiki"  # the int4 row is rounded by GPTQ calibrated on this text (quant/gptq.py)
 # Quality-only rows (bf16 KV) that locate the error: int8 without the Hadamard rotation, int4 rounded to
-# nearest (after the same scaling and clipping), with the largest group size or an int4 lm_head, and
-# both methods without calibration (scaling, clipping).
+# nearest (after the same scaling, on the same energy-weighted grids), with the largest group size or an
+# int4 lm_head, and both methods without calibration (no scaling, no input energies).
 # label → (--quantization, lm_head_quantization, calibrate, GPTQ text)
 EXTRAS = {
     "int8, no rotation": ("int8:0", "auto", True, None),
@@ -220,12 +220,13 @@ def header(meta: dict, ref_ppl: float, tokens: int, args: argparse.Namespace) ->
         "in nats. Weights are scaled per input channel before quantizing (activation-aware, searched "
         "per layer on the package's own calibration text, not the eval text; see docs/quantization.md). "
         "int8: inputs rotated by 128-wide Hadamard blocks (`int8:0`: not). "
-        "int4: groups of 32 with the tied embedding / lm_head in int8 (as Q4_K_M keeps it in Q8_0), "
+        "int4: groups of 32, bf16 scale and zero point fitted per group by weighted least squares, "
+        "with the tied embedding / lm_head in int8 (as Q4_K_M keeps it in Q8_0), "
         f"rounded by GPTQ calibrated on {GPTQ_TEXT!r} (32,768 tokens of Wikipedia prose from gensim's "
         "test data, `--gptq enwiki`); int8 and fp8 quantize the lm_head with their own method. Extra "
         "rows locate the error: `no rotation`, `round to nearest` (int4 without GPTQ, the load-time "
         "default), `int4:128` (groups of 128), `lm_head int4`, `uncalibrated` (no input scaling, "
-        "no clipping, no GPTQ). "
+        "grids fitted without input energies, no GPTQ). "
         + (
             "int8 and int4 layers run on our AVX512-VNNI kernels (the default on this CPU; int4 as W4A8)."
             if meta["cpu_kernels"]

@@ -46,7 +46,7 @@ PEER_ROWS = {
     "llama.cpp Q4_0": ("Q4_0", False, "groups of 32, fp16 scale (4.5 bits)"),
 }
 OURS = "edgeinfer int4, GPTQ"
-OURS_FORMAT = "groups of 32, bf16 scale and 4-bit zero point (4.63 bits)"
+OURS_FORMAT = "groups of 32, bf16 scale and zero point (5.0 bits)"
 FLAGS = ("--pure", "--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0")
 
 

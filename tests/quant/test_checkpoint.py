@@ -26,6 +26,7 @@ from edgeinfer.engine.quant import (
     quantize_model,
 )
 from edgeinfer.engine.quant.codec import open_compressed
+from edgeinfer.engine.quant.packing import nibbles_to_int32, pack_nibbles
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 CASES = [("int8", []), ("fp8", []), ("int4", ["--group-size", "32"])]
@@ -157,6 +158,28 @@ def test_symmetric_int4_checkpoints_load_with_implied_zero_point():
     assert loaded is not None
     w_hat = m.dequantize(loaded, torch.float32)
     assert torch.all((w - w_hat).abs() <= scale.float().repeat_interleave(32, -1) / 2 + 1e-7)
+
+
+def pack_rows_int32(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values `[N, G]` packed along the rows, 8 to an int32 word (compressed-tensors zero points)."""
+    pad = (-q.shape[0]) % 8
+    q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+    return nibbles_to_int32(pack_nibbles(q.t())).t().contiguous()
+
+
+def test_integer_zero_point_checkpoints_load():
+    """compressed-tensors' default int4 export: 4-bit integer zero points packed 8 rows to an int32."""
+    m = get_weight_method("int4", group_size=32)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (20, 64), generator=g, dtype=torch.uint8)
+    zp = torch.randint(0, 16, (20, 2), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(20, 2, generator=g) * 0.01 + 1e-3).to(torch.bfloat16)
+    state = m.pack({"q": q, "zero": zp, "scale": scale})
+    state["weight_zero_point"] = pack_rows_int32(zp)  # [ceil(20 / 8), 2] int32
+    loaded = load_quantized_linear_state({f"layer.{k}": v for k, v in state.items()}, "layer", m)
+    assert loaded is not None
+    want = (q.float().unflatten(-1, (2, 32)) - zp.float().unsqueeze(-1)) * scale.float().unsqueeze(-1)
+    assert torch.equal(m.dequantize(loaded, torch.float32), want.flatten(-2))
 
 
 def test_partial_or_foreign_states_are_refused():

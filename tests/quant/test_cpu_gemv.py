@@ -75,21 +75,25 @@ def test_int4_codes_come_back_exactly_from_the_cpu_layout(group):
     m = Int4Method(group)
     state = m.quantize(torch.randn(192, 256, generator=torch.Generator().manual_seed(1)))
     prepared = m.prepare(state, "cpu")
-    q, zero, scale = _int4pack_codes(prepared.tensors, 256)
+    q, zero_term, scale = _int4pack_codes(prepared.tensors, 256)
     u = m.unpack(state)
-    assert torch.equal(q, u["q"]) and torch.equal(zero, u["zero"]) and torch.equal(scale, u["scale"])
+    assert torch.equal(q, u["q"]) and torch.equal(scale, u["scale"])
+    want = ((8 - u["zero"].float()) * u["scale"].float()).to(torch.bfloat16)  # the CPU layout's zero term
+    assert torch.equal(zero_term, want)
 
 
 def _w4a8_reference(x: torch.Tensor, state: dict[str, torch.Tensor], m: Int4Method) -> torch.Tensor:
-    """W4A8 in float64: activations rounded per group of the weight's, then exact sums."""
+    """W4A8 in float64: activations rounded per group of the weight's, then exact sums, on the weight of
+    the CPU layout, `(q - 8) * scale + bf16((8 - zp) * scale)`."""
     g = m.group_size
     u = m.unpack(state)
     xg = x.double().unflatten(-1, (-1, g))
     xs = xg.abs().amax(-1, keepdim=True) / 127
     xq = torch.where(xs > 0, torch.round(xg / xs), 0).clamp(-127, 127) * xs
-    w = (u["q"].double().unflatten(-1, (-1, g)) - u["zero"].double().unsqueeze(-1)) * u[
-        "scale"
-    ].double().unsqueeze(-1)
+    scale = u["scale"].double()
+    zero_term = ((8 - u["zero"].float()) * u["scale"].float()).to(torch.bfloat16).double()
+    q = u["q"].double().unflatten(-1, (-1, g))
+    w = (q - 8) * scale.unsqueeze(-1) + zero_term.unsqueeze(-1)
     return xq.flatten(-2) @ w.flatten(-2).t()
 
 
@@ -119,7 +123,7 @@ def test_int4_gemv_is_w4a8(group, dtype):
 def test_int4_gemv_form_is_smaller_than_torchs():
     plain, fast = _layer("int4", 256, 512), _layer("int4", 256, 512)
     assert fast.use_cpu_gemv()
-    assert fast.weight_nbytes() == 256 * 512 // 2 + 3 * 256 * 512 // 32  # codes, bf16 scales, zero points
+    assert fast.weight_nbytes() == 256 * 512 // 2 + 4 * 256 * 512 // 32  # codes, bf16 scales, zero terms
     assert fast.weight_nbytes() < plain.weight_nbytes()
 
 
@@ -162,13 +166,16 @@ def test_engine_int4_cpu_gemv_decodes_like_w4a16(tiny_models):
     plain, fast = _engine(tiny_models["llama"], "int4", False), _engine(tiny_models["llama"], "int4", True)
     kinds = {m.kernel for m in fast.model.modules() if isinstance(m, QuantLinear)}
     assert {"cpu_w4a8", "cpu_gemv"} <= kinds  # the int4 body and the int8 lm_head
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     for a, b in zip(plain.generate(PROMPTS, sp), fast.generate(PROMPTS, sp), strict=True):
-        assert a.token_ids == b.token_ids
+        # the same tokens, with logprobs within 0.02, until the greedy paths part; they may part only at a
+        # near-tie (the random tiny model's top two logprobs are often within 0.01), never at a clear choice
         for pa, pb in zip(a.outputs, b.outputs, strict=True):
-            assert [t.logprob for t in pa.logprobs] == pytest.approx(
-                [t.logprob for t in pb.logprobs], abs=0.02
-            )
+            (ta,), (tb,) = pa.logprobs, pb.logprobs
+            assert tb.logprob == pytest.approx(ta.logprob, abs=0.02)
+            if ta.token_id != tb.token_id:
+                assert ta.top[0][1] - ta.top[1][1] < 0.02
+                break
 
 
 def _kernels_used(engine: LLMEngine) -> set[str]:

@@ -13,7 +13,6 @@ from edgeinfer.engine.loading import load_model
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.quant import get_weight_method
 from edgeinfer.engine.quant.calibrate import InputSample, calibration_windows, collect_inputs
-from edgeinfer.engine.quant.clipping import clip_weight
 from edgeinfer.engine.quant.smoothing import (
     ScaledEmbedding,
     _quantized_matmul,
@@ -35,7 +34,7 @@ def uneven_inputs(rows: int, seed: int) -> torch.Tensor:
 def test_search_cuts_quantization_error_on_held_out_rows(method):
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) * 0.05
     calib, held_out = uneven_inputs(256, 10), uneven_inputs(256, 11)
-    sample = InputSample(calib.abs().mean(0), calib)
+    sample = InputSample(calib.abs().mean(0), calib.square().mean(0), calib)
     m = get_weight_method(method)
     label, c, err0, err = search_scale(sample, [w], m, torch.float32)
     assert label != "mean^0" and err < err0
@@ -108,20 +107,3 @@ def test_skipped_layers_stay_in_the_model_dtype(tiny_llama):
     assert report.chosen and not any("mlp" in name for name in report.chosen)
     for layer in model.model.layers:
         assert layer.mlp.gate_up_proj.weight.dtype == torch.bfloat16
-
-
-@pytest.mark.parametrize("method", ["int4", "int8"])
-def test_clipping_never_worse_on_calibration_rows(method):
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(32, 256, generator=g) * 0.02
-    w[:, 5] = 0.5  # one outlier input per row stretches every group (row for int8) that holds it
-    x = torch.randn(128, 256, generator=g)
-    m = get_weight_method(method)
-    clipped, narrowed = clip_weight(m, w, x)
-    ref = x @ w.t()
-    plain = (_quantized_matmul(m, w, x) - ref).square().sum()
-    after = (_quantized_matmul(m, clipped, x) - ref).square().sum()
-    assert after <= plain
-    if method == "int4":  # 16 levels: narrowing the groups pays; int8's 255 levels keep the outlier
-        assert narrowed > 0 and after < plain
-    assert (clipped - w).abs().max() < w.abs().max()  # a clamp, never a sign flip or blow-up

@@ -27,10 +27,11 @@ GPTQ_TOKENS = 32768  # calibration tokens for GPTQ's Hessians
 
 @dataclass
 class InputSample:
-    """What one linear layer was fed: per-channel mean |x| over every row, a subset of the rows, and
-    (when asked for, for GPTQ) `X^T X` over every row."""
+    """What one linear layer was fed: per-channel mean |x| and mean x^2 over every row, a subset of the
+    rows, and (when asked for, for GPTQ) `X^T X` over every row."""
 
     abs_mean: torch.Tensor  # [in] fp32
+    sq_mean: torch.Tensor  # [in] fp32
     rows: torch.Tensor  # [n, in] fp32
     dtype: torch.dtype = torch.float32  # what the layer was fed (the search feeds that dtype too)
     hessian: torch.Tensor | None = None  # [in, in] fp32
@@ -71,6 +72,7 @@ class _Recorder:
     def __init__(self, keep_every: int, hessian: bool) -> None:
         self.keep_every = keep_every
         self.abs_sum: torch.Tensor | None = None
+        self.sq_sum: torch.Tensor | None = None
         self.count = 0
         self.rows: list[torch.Tensor] = []
         self.dtype = torch.float32
@@ -82,6 +84,8 @@ class _Recorder:
         x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
         total = x.abs().sum(0)
         self.abs_sum = total if self.abs_sum is None else self.abs_sum + total
+        squares = x.square().sum(0)
+        self.sq_sum = squares if self.sq_sum is None else self.sq_sum + squares
         first = -self.count % self.keep_every  # rows evenly spaced over the whole stream
         self.rows.append(x[first :: self.keep_every].clone())
         self.count += x.shape[0]
@@ -89,7 +93,9 @@ class _Recorder:
             self.hessian = x.t() @ x if self.hessian is None else self.hessian.addmm_(x.t(), x)
 
     def sample(self) -> InputSample:
-        return InputSample(self.abs_sum / self.count, torch.cat(self.rows), self.dtype, self.hessian)
+        assert self.abs_sum is not None and self.sq_sum is not None
+        n = self.count
+        return InputSample(self.abs_sum / n, self.sq_sum / n, torch.cat(self.rows), self.dtype, self.hessian)
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
-"""`edgeinfer quantize` with calibration: the same input scaling and clipping as quantizing at load, written
-into the float tensors the converter then quantizes.
+"""`edgeinfer quantize` with calibration: the same input scaling (and int4 states on energy-weighted grids)
+as quantizing at load, written into the float tensors (and states) the converter then writes.
 
 The model is built from the checkpoint in fp32, calibrated (quant/smoothing.py), and every tensor of a
 module it changed replaces the checkpoint's tensor of the same name; fused modules (`qkv_proj`,

@@ -18,7 +18,7 @@ from torch import nn
 from edgeinfer.engine.quant.apply import set_submodule
 from edgeinfer.engine.quant.base import QuantizationError, WeightMethod, get_weight_method
 from edgeinfer.engine.quant.layers import QuantEmbedding, QuantLinear
-from edgeinfer.engine.quant.packing import pack_rows_int32
+from edgeinfer.engine.quant.packing import unpack_rows_int32
 
 _QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -80,18 +80,18 @@ def load_quantized_linear_state(
 ) -> dict[str, torch.Tensor] | None:
     """The saved state of module `prefix`, or None when that module is stored in float.
 
-    Symmetric int4 checkpoints (no `weight_zero_point`, as GPTQ-style exports write them) get the implied
-    zero point 8. Raises QuantizationError for a partial or malformed state, naming the module.
+    int4 zero points become bf16 `[..., N, K/G]`: integer ones (4-bit, packed 8 rows to an int32, as
+    compressed-tensors writes them by default) are unpacked, and symmetric checkpoints (no
+    `weight_zero_point`, as GPTQ-style exports write them) get the implied 8. Raises QuantizationError for
+    a partial or malformed state, naming the module.
     """
     if f"{prefix}.weight_g_idx" in tensors:
         raise QuantizationError(f"{prefix}: activation reordering (weight_g_idx) is not supported")
     if f"{prefix}.weight_scale" not in tensors:
         return None
     state = {n: tensors[f"{prefix}.{n}"] for n in method.state_names() if f"{prefix}.{n}" in tensors}
-    if method.name == "int4" and "weight_zero_point" not in state and "weight_packed" in state:
-        rows = state["weight_packed"].shape[-2]
-        groups = state["weight_scale"].shape[-1]
-        state["weight_zero_point"] = pack_rows_int32(torch.full((rows, groups), 8, dtype=torch.uint8))
+    if method.name == "int4" and "weight_packed" in state:
+        _int4_float_zero_point(state)
     if method.name == "int4" and "weight_shape" not in state and "weight_packed" in state:
         words = state["weight_packed"]
         state["weight_shape"] = torch.tensor([words.shape[-2], words.shape[-1] * 8], dtype=torch.int32)
@@ -104,6 +104,19 @@ def load_quantized_linear_state(
             f"{prefix}: weight has dtype {state['weight'].dtype}, not a {method.name} weight"
         )
     return state
+
+
+def _int4_float_zero_point(state: dict[str, torch.Tensor]) -> None:
+    """In place: the state's zero points as the bf16 `[..., N, K/G]` that `Int4Method` reads (its `unpack`
+    checks the shape)."""
+    zero = state.get("weight_zero_point")
+    if zero is None:
+        state["weight_zero_point"] = torch.full(state["weight_scale"].shape, 8.0, dtype=torch.bfloat16)
+    elif zero.dtype == torch.int32:
+        rows = state["weight_packed"].shape[-2]
+        state["weight_zero_point"] = unpack_rows_int32(zero, rows).to(torch.bfloat16)
+    elif zero.is_floating_point():
+        state["weight_zero_point"] = zero.to(torch.bfloat16)
 
 
 def state_tensor_names(prefix: str, method: WeightMethod) -> list[str]:

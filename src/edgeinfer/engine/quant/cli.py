@@ -49,14 +49,15 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-calibrate",
         action="store_true",
-        help="round to nearest only (default: activation-aware scaling and clipping on a built-in text)",
+        help="round to nearest only (default: activation-aware scaling and, for int4, grids fitted under "
+        "the input energies of a built-in text)",
     )
     parser.add_argument(
         "--gptq",
         default=None,
         metavar="TEXT",
         help="int4: round by GPTQ calibrated on TEXT, enwiki (Wikipedia prose in gensim's test data) "
-        "or a UTF-8 file (default: round to nearest after scaling and clipping)",
+        "or a UTF-8 file (default: round to nearest after scaling, on the fitted grids)",
     )
     parser.add_argument(
         "--skip",

@@ -5,9 +5,9 @@ For a linear layer fed inputs `X`, the output error of a quantized weight `Q` is
 with `H = X^T X`. Rounding to nearest minimises each weight's own error; GPTQ (Frantar et al., 2022)
 instead lets later columns absorb earlier errors through correlated inputs. Columns go in order of
 decreasing `diag(H)` (the inputs that carry the most energy are rounded first, while the most columns
-are left to compensate). Each group's grid (scale, zero point) is fixed before any rounding, from the
-weight clipped by the activation-aware range search (quant/clipping.py): with columns out of order a
-group's grid cannot follow the updated weight, and the fixed grid is exactly what the format stores.
+are left to compensate). Each group's grid (scale, zero point) is fixed before any rounding, fitted to the
+weight under the inputs' energies (`Int4Method.fit`): with columns out of order a group's grid cannot
+follow the updated weight, and the fixed grid is exactly what the format stores.
 
 `H` is damped by `DAMP` times its mean diagonal: calibration covers tens of thousands of tokens, fewer
 than a 2048-input layer needs for a well-conditioned `H`; the damping keeps the updates from fitting the
@@ -25,13 +25,13 @@ BLOCK = 128  # columns updated lazily together: the rest of the weight is touche
 
 
 def gptq_int4(
-    method: Int4Method, weight: torch.Tensor, hessian: torch.Tensor, grid_from: torch.Tensor
+    method: Int4Method, weight: torch.Tensor, hessian: torch.Tensor, energy: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """The packed int4 state of `weight [N, K]` rounded by GPTQ under `hessian [K, K]`, on the group grids
-    that `method.fit` gives for `grid_from` (the weight after range clipping; `weight` itself for none)."""
+    that `method.fit` gives for it under the inputs' `energy` (`[K]` mean squares)."""
     n, k = weight.shape
     g = method.group_size
-    scale, zero = method.fit(grid_from.float().unflatten(-1, (k // g, g)))  # [N, K/G] each
+    scale, zero = method.fit(weight.float().unflatten(-1, (k // g, g)), energy)  # [N, K/G] each
     w, hinv_u, order = _prepare(weight.float(), hessian.double())
     col_scale = scale.float().repeat_interleave(g, dim=1)[:, order]
     col_zero = zero.float().repeat_interleave(g, dim=1)[:, order]
@@ -43,7 +43,7 @@ def gptq_int4(
         hb = hinv_u[a:b, a:b]
         for i in range(b - a):
             col, s, z = block[:, i], col_scale[:, a + i], col_zero[:, a + i]
-            code = torch.round(col / s).add_(z).clamp_(0, 15)
+            code = torch.round(col / s + z).clamp_(0, 15)
             q[:, a + i] = code.to(torch.uint8)
             err = (col - (code - z) * s) / hb[i, i]
             block[:, i:].addr_(err, hb[i, i:], alpha=-1)

@@ -45,16 +45,9 @@ def int32_to_nibbles(words: torch.Tensor) -> torch.Tensor:
     return words.contiguous().reshape(-1).view(torch.uint8).reshape(*words.shape[:-1], -1)
 
 
-def pack_rows_int32(q: torch.Tensor) -> torch.Tensor:
-    """Pack 4-bit values along dim -2 (zero points): `[..., N, G]` -> int32 `[..., ceil(N/8), G]`."""
-    pad = (-q.shape[-2]) % 8
-    if pad:
-        q = torch.cat([q, q.new_zeros((*q.shape[:-2], pad, q.shape[-1]))], dim=-2)
-    return nibbles_to_int32(pack_nibbles(q.transpose(-1, -2))).transpose(-1, -2).contiguous()
-
-
 def unpack_rows_int32(words: torch.Tensor, rows: int) -> torch.Tensor:
-    """Inverse of `pack_rows_int32`, dropping the padding: -> uint8 `[..., rows, G]`."""
+    """compressed-tensors' integer zero points, 4-bit values packed along dim -2 (8 rows to an int32 word,
+    the last word padded): int32 `[..., ceil(rows/8), G]` -> uint8 `[..., rows, G]`."""
     q = unpack_nibbles(int32_to_nibbles(words.transpose(-1, -2).contiguous())).transpose(-1, -2)
     return q[..., :rows, :].contiguous()
 
@@ -84,11 +77,3 @@ def fp8_to_bf16(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float8_e5m2:
         return _fp8_bits_to_bf16(x, 2, _E5M2_REBIAS)
     raise QuantizationError(f"fp8_to_bf16 got {x.dtype}")
-
-
-def bf16_round_up(x: torch.Tensor) -> torch.Tensor:
-    """fp32 values >= 0 -> the smallest bf16 values not below them."""
-    b = x.to(torch.bfloat16)
-    low = b.to(torch.float32) < x
-    # for non-negative floats the next representable value up is the next bit pattern
-    return torch.where(low, (b.view(torch.int16) + 1).view(torch.bfloat16), b)

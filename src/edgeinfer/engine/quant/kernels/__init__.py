@@ -7,7 +7,7 @@ implementations, so they run inside `torch.compile` graphs as library calls.
 - `int8_gemv(xq, x_scale, w, w_scale)`: per-token int8 codes x row-major int8 weights -> fp32, bit for bit
   the `_int_mm` path's result (int8.py); `int8_gemv_out(..., out)` writes a contiguous fp32 `out`;
   `int8_gemv_kn` takes the weight stored `[K, N]` (int8 layers with more inputs than outputs).
-- `int4_gemv(x, codes, scales, zeros, group)`: W4A8 on the tiled layout of `int4_pack` (int4.py), for any
+- `int4_gemv(x, codes, scales, zero_terms, group)`: W4A8 on the tiled layout of `int4_pack` (int4.py), for any
   number of rows (the int8 dot products outrun a bf16 GEMM on the dequantized weight even at 512 rows).
 """
 
@@ -97,18 +97,19 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("edgeinfer_cpu::int4_gemv")
     def _int4(
-        x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+        x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero_terms: torch.Tensor, group: int
     ) -> torch.Tensor:
         return x.new_empty((x.shape[0], codes.shape[0] * TILE))
 
 
 def int4_pack(
-    q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor
+    q: torch.Tensor, zero_term: torch.Tensor, scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """uint8 codes `[N, K]` in [0, 15], zero points uint8 and bf16 scales `[N, K/G]` -> `int4_gemv`'s layout.
+    """uint8 codes `[N, K]` in [0, 15] and bf16 zero terms and scales `[N, K/G]` (the weight is
+    `(q - 8) * scale + zero_term`, as in torch's int4 CPU layout) -> `int4_gemv`'s layout.
 
     Codes: `[N/16, K/8, 64]`, byte `4r + j` of slab `s` of a tile = row `r`'s input `8s + j` (low nibble)
-    and `8s + 4 + j` (high). Scales and zero points: `[N/16, K/G, 16]`, one lane per row of the tile.
+    and `8s + 4 + j` (high). Scales and zero terms: `[N/16, K/G, 16]`, one lane per row of the tile.
     """
     n, k = q.shape
     if n % TILE or k % SLAB:
@@ -118,6 +119,6 @@ def int4_pack(
     codes = slabs.reshape(n // TILE, k // SLAB, 64).contiguous()
 
     def lanes(v: torch.Tensor) -> torch.Tensor:
-        return v.reshape(n // TILE, TILE, -1).transpose(1, 2).contiguous()
+        return v.to(torch.bfloat16).reshape(n // TILE, TILE, -1).transpose(1, 2).contiguous()
 
-    return codes, lanes(scale.to(torch.bfloat16)), lanes(zero.to(torch.uint8))
+    return codes, lanes(scale), lanes(zero_term)

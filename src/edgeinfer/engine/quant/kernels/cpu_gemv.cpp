@@ -10,9 +10,9 @@
 //               per-token int8 activation codes. The int32 sums are exact and the epilogue scales by the
 //               weight scale then the token scale, so the result is bit for bit `_int_mm`'s.
 //   int8_gemv_kn: the same for weights stored [K, N] (layers with more inputs than outputs).
-//   int4_gemv:  4-bit codes in a row-tiled layout (int4_pack), group-wise scales and zero points, x
+//   int4_gemv:  4-bit codes in a row-tiled layout (int4_pack), group-wise scales and zero terms, x
 //               activations quantized here per group of the weight's group size (as llama.cpp's Q8_0
-//               blocks): W4A8. The group sums are exact int32, (codes - zero) folded in as integers.
+//               blocks): W4A8. The group sums are exact int32; the float zero term is applied once a group.
 //
 // Without AVX512-VNNI (or built for another CPU) the same arithmetic runs as plain loops.
 
@@ -239,12 +239,13 @@ at::Tensor int8_gemv_kn(const at::Tensor& xq, const at::Tensor& x_scale, const a
 // codes for inputs 8s + j (low nibble) and 8s + 4 + j (high nibble). So one 64-byte load, masked and
 // shifted, gives two registers whose int32 lane r holds four consecutive codes of row r: one `vpdpbusd`
 // against four broadcast activation codes advances all 16 rows by four inputs.
-// Scales: bf16 [N/16, K/G, 16]; zero points: uint8 [N/16, K/G, 16].
+// Scales and zero terms: bf16 [N/16, K/G, 16]. The weight is (q - 8) * scale + zero_term, as in torch's
+// int4 CPU layout, so sum(w * a) = scale * (sum(q * a) - 8 sum(a)) + zero_term * sum(a) per group.
 
 struct ActGroups {
   std::vector<int8_t> q;    // [M, K] codes
   std::vector<float> scale;  // [M, K/G]
-  std::vector<int32_t> sum;  // [M, K/G]: sum of codes, for the zero point term
+  std::vector<int32_t> sum;  // [M, K/G]: sum of codes, for the zero term
 };
 
 template <typename T>
@@ -279,10 +280,18 @@ inline float bf16_bits_to_float(uint16_t v) {
   return f;
 }
 
+#if EDGEINFER_VNNI
+// 16 bf16 values -> fp32 lanes (bf16 is the top half of an fp32)
+inline __m512 bf16x16_to_ps(const uint16_t* p) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+#endif
+
 // One tile of 16 rows against `mb` (<= kRowBlock) activation rows; writes out[m][16]. `mb` and the group
 // size are template arguments so that the loops unroll and the accumulators live in registers.
 template <int64_t mb, int64_t g>
-void int4_tile(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t k,
+void int4_tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* zero_terms, int64_t k,
                const ActGroups& a, int64_t m0, float* out) {
   constexpr int64_t slabs = g / kSlab;
   const int64_t ng = k / g;
@@ -313,14 +322,15 @@ void int4_tile(const uint8_t* codes, const uint16_t* scales, const uint8_t* zero
         dot[m][c + 1] = _mm512_dpbusd_epi32(dot[m][c + 1], hi, _mm512_set1_epi32(q47));
       }
     }
-    const __m512i zp = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + b * kTile)));
-    const __m512i sb = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * kTile)));
-    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(sb, 16));
+    const __m512 sc = bf16x16_to_ps(scales + b * kTile);
+    const __m512 zt = bf16x16_to_ps(zero_terms + b * kTile);
     for (int64_t m = 0; m < mb; ++m) {
-      // sum((q - zp) * a) = sum(q * a) - zp * sum(a), exact in int32
+      // sum((q - 8) * a) = sum(q * a) - 8 sum(a), exact in int32; then scale it, add zero_term * sum(a)
+      const int32_t sum_a = asum[m * ng + b];
       const __m512i d = _mm512_add_epi32(_mm512_add_epi32(dot[m][0], dot[m][1]), _mm512_add_epi32(dot[m][2], dot[m][3]));
-      const __m512i c = _mm512_sub_epi32(d, _mm512_mullo_epi32(zp, _mm512_set1_epi32(asum[m * ng + b])));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(sc, _mm512_set1_ps(as[m * ng + b])), acc[m]);
+      const __m512i c = _mm512_sub_epi32(d, _mm512_set1_epi32(8 * sum_a));
+      const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), sc, _mm512_mul_ps(zt, _mm512_set1_ps(static_cast<float>(sum_a))));
+      acc[m] = _mm512_fmadd_ps(part, _mm512_set1_ps(as[m * ng + b]), acc[m]);
     }
   }
   for (int64_t m = 0; m < mb; ++m) _mm512_storeu_ps(out + m * kTile, acc[m]);
@@ -336,8 +346,10 @@ void int4_tile(const uint8_t* codes, const uint16_t* scales, const uint8_t* zero
           const int8_t* q = aq + m * k + b * g + s * kSlab;
           for (int64_t j = 0; j < 4; ++j) dot += (slab[j] & 15) * q[j] + (slab[j] >> 4) * q[4 + j];
         }
-        const int32_t c = dot - int32_t(zeros[b * kTile + r]) * asum[ag];
-        acc[r] = std::fma(static_cast<float>(c), bf16_bits_to_float(scales[b * kTile + r]) * as[ag], acc[r]);
+        const int32_t c = dot - 8 * asum[ag];
+        const float part = std::fma(static_cast<float>(c), bf16_bits_to_float(scales[b * kTile + r]),
+                                 bf16_bits_to_float(zero_terms[b * kTile + r]) * static_cast<float>(asum[ag]));
+        acc[r] = std::fma(part, as[ag], acc[r]);
       }
     }
     std::memcpy(out + m * kTile, acc, sizeof acc);
@@ -345,7 +357,7 @@ void int4_tile(const uint8_t* codes, const uint16_t* scales, const uint8_t* zero
 #endif
 }
 
-using TileFn = void (*)(const uint8_t*, const uint16_t*, const uint8_t*, int64_t, const ActGroups&, int64_t, float*);
+using TileFn = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, const ActGroups&, int64_t, float*);
 
 template <int64_t mb>
 TileFn pick_group(int64_t g) {
@@ -367,7 +379,7 @@ TileFn pick_tile(int64_t mb, int64_t g) {
 }
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                     const at::Tensor& zeros, int64_t group) {
+                     const at::Tensor& zero_terms, int64_t group) {
   TORCH_CHECK(x.dim() == 2, "int4_gemv: x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int4_gemv: x fp32 or bf16");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == 64,
@@ -375,18 +387,18 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t m_rows = x.size(0), k = x.size(1), tiles = codes.size(0), n = tiles * kTile;
   TORCH_CHECK(group % kSlab == 0 && k % group == 0 && codes.size(1) * kSlab == k, "int4_gemv: shapes");
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.numel() == n * (k / group), "int4_gemv: scales");
-  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.numel() == n * (k / group), "int4_gemv: zeros");
+  TORCH_CHECK(zero_terms.scalar_type() == at::kBFloat16 && zero_terms.numel() == n * (k / group), "int4_gemv: zero terms");
   const auto xc = x.contiguous();
   const auto cc = codes.contiguous();
   const auto sc = scales.contiguous();
-  const auto zc = zeros.contiguous();
+  const auto zc = zero_terms.contiguous();
   const ActGroups a = x.scalar_type() == at::kFloat
       ? quantize_groups(xc.data_ptr<float>(), m_rows, k, group)
       : quantize_groups(xc.data_ptr<at::BFloat16>(), m_rows, k, group);
   auto out = at::empty({m_rows, n}, x.options());
   const uint8_t* cp = cc.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
-  const uint8_t* zp = zc.data_ptr<uint8_t>();
+  const uint16_t* zp = reinterpret_cast<const uint16_t*>(zc.data_ptr<at::BFloat16>());
   const int64_t ng = k / group;
   float* of = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
   at::BFloat16* ob = of ? nullptr : out.data_ptr<at::BFloat16>();
@@ -399,7 +411,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
         const TileFn tile = mb == kRowBlock ? full : pick_tile(mb, group);
         const uint8_t* ct = cp + t * (k / kSlab) * 64;
         const uint16_t* st = sp + t * ng * kTile;
-        const uint8_t* zt = zp + t * ng * kTile;
+        const uint16_t* zt = zp + t * ng * kTile;
         tile(ct, st, zt, k, a, m0, buf);
         for (int64_t m = 0; m < mb; ++m) {
           for (int64_t r = 0; r < kTile; ++r) {
@@ -423,7 +435,7 @@ TORCH_LIBRARY(edgeinfer_cpu, m) {
   m.def("int8_gemv(Tensor xq, Tensor x_scale, Tensor w, Tensor w_scale) -> Tensor");
   m.def("int8_gemv_out(Tensor xq, Tensor x_scale, Tensor w, Tensor w_scale, Tensor(a!) out) -> ()");
   m.def("int8_gemv_kn(Tensor xq, Tensor x_scale, Tensor w, Tensor w_scale) -> Tensor");
-  m.def("int4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group) -> Tensor");
+  m.def("int4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor zero_terms, int group) -> Tensor");
   m.def("has_vnni() -> bool", has_vnni);
 }
 
