@@ -95,7 +95,7 @@ def test_quantize_save_load_gives_identical_logits(method, extra, tiny_llama, tm
     ],
 )
 def test_calibrated_quantize_equals_calibrating_at_load(method, extra, spec, gptq, tiny_models, tmp_path):
-    """Offline and at load, the same scaling and clipping (and GPTQ rounding, whose fused layers' states are
+    """Offline and at load, the same scaling and int4 states (to nearest or by GPTQ; fused layers' states
     split into the checkpoint's parts): the written checkpoint serves the same logits (int8 unrotated, as
     compressed-tensors stores it; lm_head in float, as a tied checkpoint needs)."""
     from edgeinfer.engine.config import EngineConfig
@@ -180,6 +180,9 @@ def test_integer_zero_point_checkpoints_load():
     assert loaded is not None
     want = (q.float().unflatten(-1, (2, 32)) - zp.float().unsqueeze(-1)) * scale.float().unsqueeze(-1)
     assert torch.equal(m.dequantize(loaded, torch.float32), want.flatten(-2))
+    state["weight_zero_point"] = zp  # unpacked integers, one per group, as some exporters write them
+    loaded = load_quantized_linear_state({f"layer.{k}": v for k, v in state.items()}, "layer", m)
+    assert loaded is not None and torch.equal(m.dequantize(loaded, torch.float32), want.flatten(-2))
 
 
 def test_partial_or_foreign_states_are_refused():

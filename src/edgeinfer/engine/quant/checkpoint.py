@@ -110,12 +110,12 @@ def _int4_float_zero_point(state: dict[str, torch.Tensor]) -> None:
     """In place: the state's zero points as the bf16 `[..., N, K/G]` that `Int4Method` reads (its `unpack`
     checks the shape)."""
     zero = state.get("weight_zero_point")
+    rows = state["weight_packed"].shape[-2]
     if zero is None:
         state["weight_zero_point"] = torch.full(state["weight_scale"].shape, 8.0, dtype=torch.bfloat16)
-    elif zero.dtype == torch.int32:
-        rows = state["weight_packed"].shape[-2]
+    elif zero.dtype == torch.int32 and zero.dim() >= 2 and zero.shape[-2] != rows:  # packed 8 rows a word
         state["weight_zero_point"] = unpack_rows_int32(zero, rows).to(torch.bfloat16)
-    elif zero.is_floating_point():
+    else:  # float, or integers one per group
         state["weight_zero_point"] = zero.to(torch.bfloat16)
 
 
