@@ -5,14 +5,14 @@ This converts that file to BF16 (exact) and has llama-quantize write, with every
 (`--pure`) and the token embedding in Q8_0 (as our int4 keeps an int8 lm_head):
 
 - Q4_1 (groups of 32, asymmetric: our int4's format class) and Q4_0 (groups of 32, symmetric);
-- Q4_1 with an importance matrix (`llama-imatrix` over the same 32,768 Wikipedia tokens our GPTQ calibrates
-  on): llama.cpp's best effort in this format class.
+- Q4_1 with an importance matrix (`llama-imatrix` over the same Wikipedia tokens our GPTQ calibrates on,
+  `GPTQ_TOKENS` of them): llama.cpp's best effort in this format class.
 
 It loads each file in our engine and scores it, next to our own int4 (GPTQ on the same text, run as
 `serve --quantization int4` runs it), against the default model on `edgeinfer eval`'s text (2,048 tokens,
-windows of 512, stride 256), all in one pass:
+windows of 512, stride 256 by default), all in one pass:
 
-    python bench/int4_reference.py [--tokens 2048]
+    python bench/int4_reference.py [--tokens 2048] [--stride 256]
 
 It prints one markdown row per model; docs/quantization.md quotes them.
 """
@@ -67,7 +67,7 @@ def calibration_file(tokenizer: Tokenizer, tokens: int) -> Path:
 
 def peer_files(bf16: Path, tokenizer: Tokenizer, threads: int) -> dict[str, Path]:
     models = peers.PEERS_DIR / "models"
-    imatrix = models / f"{bf16.stem}.imatrix-{CALIBRATION}.gguf"
+    imatrix = models / f"{bf16.stem}.imatrix-{CALIBRATION}-{GPTQ_TOKENS}.gguf"
     files = {}
     for label, (qtype, weighted, _) in PEER_ROWS.items():
         flags = FLAGS
@@ -76,7 +76,7 @@ def peer_files(bf16: Path, tokenizer: Tokenizer, threads: int) -> dict[str, Path
                 text = calibration_file(tokenizer, GPTQ_TOKENS + 4096)  # llama.cpp reads 64 whole chunks
                 peers.importance_matrix(bf16, text, imatrix, GPTQ_TOKENS, threads)
             flags = (*FLAGS, "--imatrix", str(imatrix))
-        dst = models / f"{bf16.stem}.pure-{qtype}{'-imatrix' if weighted else ''}.gguf"
+        dst = models / f"{bf16.stem}.pure-{qtype}{f'-imatrix-{GPTQ_TOKENS}' if weighted else ''}.gguf"
         files[label] = dst if dst.exists() else peers.quantize(bf16, dst, qtype, flags)
     return files
 
@@ -84,11 +84,12 @@ def peer_files(bf16: Path, tokenizer: Tokenizer, threads: int) -> dict[str, Path
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--stride", type=int, default=None, help="tokens between windows (default window/2)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     peers.build()
-    settings = EvalSettings(tokens=args.tokens)
+    settings = EvalSettings(tokens=args.tokens, stride=args.stride)
     baseline = build_engine(settings, None, "auto")
     bf16 = peers.peer_gguf("bf16", resolve_default_model())
     files = peer_files(bf16, baseline.tokenizer, args.threads)
@@ -108,7 +109,11 @@ def main() -> int:
         settings.effective_stride,
     )
     formats = {label: row[2] for label, row in PEER_ROWS.items()} | {OURS: OURS_FORMAT}
-    print(f"baseline perplexity {result.reference_perplexity:.3f} over {len(ids)} tokens")
+    print(
+        f"baseline perplexity {result.reference_perplexity:.3f} over {len(ids)} tokens, windows of "
+        f"{settings.window}, stride {settings.effective_stride}; calibration: {GPTQ_TOKENS} tokens of "
+        f"{CALIBRATION}"
+    )
     print("| model | format | perplexity | KL mean | top-1 agreement |")
     print("|---|---|---|---|---|")
     for name, c in result.comparisons().items():
