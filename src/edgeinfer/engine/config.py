@@ -47,8 +47,8 @@ class EngineConfig:
     calibrate_quantization: bool = True
     # int4 with calibration: round the decoder layers by GPTQ (quant/gptq.py) on this text instead of to
     # nearest: `enwiki` (Wikipedia prose from gensim's test data) or a UTF-8 file. On Gemma 3 270M the
-    # perplexity rise goes +14.8 % -> +10.8 % (docs/quantization.md); it costs ~2 minutes at load on 2
-    # cores, so for serving quantize once with `edgeinfer quantize --gptq`.
+    # perplexity rise goes +5.9 % -> +4.5 % (16,384 tokens; docs/quantization.md); it costs ~5 minutes at
+    # load on 2 cores, so for serving quantize once with `edgeinfer quantize --gptq`.
     gptq_calibration: str | None = None
     # torch.compile one-sequence decode steps, the whole forward as one graph (model/compile.py). Needs
     # a C++ compiler; compiles for ~2-3 minutes on first use; falls back to eager with a warning. Gemma 3
