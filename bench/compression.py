@@ -8,7 +8,7 @@ perplexity / KL / top-1 agreement against bf16 weights + bf16 KV (teacher-forced
 
 The two perplexity targets are judged on `--target-tokens` (the table's combinations on `--tokens`):
 2,048 tokens give a 95 % interval of about ±1.9 points on int4's change, too wide to tell +5 % from +7 %;
-16,384 (of the Lee corpus' ~80k) give about ±0.65.
+16,384 (of the Lee corpus' 73,568) give about ±0.65.
 """
 
 from __future__ import annotations
