@@ -7,7 +7,9 @@ bash scripts/setup.sh
 PORT=${PORT:-8000}
 .venv/bin/edgeinfer serve --host 127.0.0.1 --port "$PORT" --preload &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
+# The server's own exit status after our SIGTERM (143) is not the demo's: stopping it is the normal end.
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+trap 'exit 0' INT TERM
 for _ in $(seq 1 300); do
   curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break
   kill -0 $SERVER 2>/dev/null || { echo "server exited" >&2; exit 1; }
