@@ -15,6 +15,7 @@ from edgeinfer.obs.canary import DEGENERATE_REPETITION, NONFINITE_LOGITS, is_deg
 from edgeinfer.obs.timing import LatencyBreakdown
 from edgeinfer.pool.member import LocalMember
 from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
+from edgeinfer.types.sampling import choice_seed
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
@@ -58,11 +59,10 @@ class LocalBackend(Backend):
             echo_logprobs = job.logprobs if job.echo else None
             sampling = _replace(job.sampling, max_tokens=max_tokens, prompt_logprobs=echo_logprobs)
             for i in range(job.n):
-                seed = None if sampling.seed is None else sampling.seed + i
                 request = EngineRequest(
                     request_id=f"{job.request_id}-{p * job.n + i}",
                     prompt_token_ids=ids,
-                    sampling=_replace(sampling, seed=seed),
+                    sampling=_replace(sampling, seed=choice_seed(sampling.seed, i)),
                     tenant=self._tenant,
                     model=self._member.name,
                     arrival_time=job.arrival,

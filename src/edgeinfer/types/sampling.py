@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (what torch.Generator.manual_seed takes)
 
 
 @dataclass
@@ -54,7 +55,10 @@ class SamplingParams:
         _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer")
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED),
+            "seed must be an integer in [0, 2^64 - 1]",
+        )
         _check(
             isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be an integer >= 0"
         )
@@ -70,6 +74,11 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be ints >= 0",
         )
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of an `n > 1` request: `seed + index`, wrapping within the seed range."""
+    return None if seed is None else (seed + index) % (MAX_SEED + 1)
 
 
 def _check(ok: bool, message: str) -> None:
