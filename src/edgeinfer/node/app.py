@@ -96,5 +96,10 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
     error_handlers.install(app)
     for module in (routes_openai, routes_workers_ai, routes_ops):
         app.include_router(module.router)
-    app.add_middleware(NodeMiddleware, metrics=metrics, max_body_bytes=config.limits.max_body_bytes)
+    app.add_middleware(
+        NodeMiddleware,
+        metrics=metrics,
+        max_body_bytes=config.limits.max_body_bytes,
+        body_timeout_s=config.connections.body_timeout_s,
+    )
     return app

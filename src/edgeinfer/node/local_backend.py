@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -16,6 +17,8 @@ from edgeinfer.obs.timing import LatencyBreakdown
 from edgeinfer.pool.member import LocalMember
 from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
 from edgeinfer.types.sampling import choice_seed
+
+logger = logging.getLogger("edgeinfer.node")
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
@@ -75,7 +78,10 @@ class LocalBackend(Backend):
     def _tokenize(self, job: Job) -> list[tuple[list[int], str]]:
         tok = self._tokenizer
         if job.kind == CHAT:
-            text = tok.apply_chat_template(job.messages, add_generation_prompt=True)
+            try:
+                text = tok.apply_chat_template(job.messages, add_generation_prompt=True)
+            except ValueError as exc:  # messages the template refuses (roles, order, emptiness)
+                raise bad_request(str(exc), "messages") from None
             # The chat template already holds the special tokens (BOS) the model expects.
             return [(tok.encode(text, add_special_tokens=False), text)]
         out: list[tuple[list[int], str]] = []
@@ -255,4 +261,5 @@ def _as_api_error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, ValueError):  # EngineInputError: the request itself is unservable
         return bad_request(str(exc))
-    return internal(f"engine failure: {exc!r}")
+    logger.error("engine failure", exc_info=exc)
+    return internal("internal error in the engine; the server log has the details")

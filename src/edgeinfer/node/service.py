@@ -23,6 +23,7 @@ from edgeinfer.node.errors import (
     model_not_found,
     rate_limited,
     unavailable,
+    unexpected,
     upstream_failed,
 )
 from edgeinfer.node.jobs import Backend, ChoiceDelta, Job
@@ -66,10 +67,12 @@ class NodeService:
         self, request: Request, tenant: Tenant, job: Job, renderer_cls: type[Renderer]
     ) -> Response:
         access = request.state.access
-        access.update(request_id=job.request_id, tenant=tenant.name, endpoint=job.endpoint, stream=job.stream)
+        access.update(
+            response_id=job.request_id, tenant=tenant.name, endpoint=job.endpoint, stream=job.stream
+        )
         model = self._resolve(job.model)
         access["model"] = model
-        headers = {"x-request-id": job.request_id}
+        headers: dict[str, str] = {}
         if affinity := request.headers.get("x-session-affinity"):
             headers["x-session-affinity"] = access["session_affinity"] = affinity
         run, backend = await self._start(job, tenant, model, access)
@@ -132,9 +135,9 @@ class NodeService:
             raise unavailable(str(exc)) from None
         except UpstreamError as exc:
             raise upstream_failed(exc.status, exc.message) from None
-        except (ValueError, OSError) as exc:  # a checkpoint that cannot be read or built
+        except (ValueError, OSError):  # a checkpoint that cannot be read or built
             logger.exception("loading model %s failed", model)
-            raise internal(f"model {model} failed to load: {exc}") from None
+            raise internal(f"model {model} failed to load; the server log has the details") from None
 
     def _backend(self, lease: Lease, tenant: Tenant) -> Backend:
         member: PoolMember = lease.member
@@ -244,10 +247,10 @@ async def _events(
         status = exc.status
         yield sse(renderer.error_event(exc))
         yield DONE
-    except Exception as exc:
+    except Exception:
         logger.exception("stream %s failed", run.job.request_id)
         status = 500
-        yield sse(renderer.error_event(internal(f"stream failed: {exc!r}")))
+        yield sse(renderer.error_event(unexpected(run.access["request_id"])))
         yield DONE
     finally:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1  # any k at or above the vocabulary size keeps every token
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (what torch.Generator.manual_seed takes)
 
 
@@ -48,7 +49,8 @@ class SamplingParams:
         )
         _check(0.0 <= self.temperature <= 10.0, "temperature must be in [0, 10]")
         _check(
-            isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be an integer >= -1 (0 or -1: off)"
+            isinstance(self.top_k, int) and -1 <= self.top_k <= MAX_TOP_K,
+            f"top_k must be an integer in [-1, {MAX_TOP_K}] (0 or -1: off)",
         )
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
         _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
