@@ -48,10 +48,8 @@ class LocalBackend(Backend):
         self._pieces: dict[int, str] = {}
         self.version = member.version
 
-    def queue_state(self) -> tuple[int, bool]:
-        # stats() takes the engine lock, held during a model step: hence "call from a worker thread".
-        stats = self._engine.stats()
-        return stats.num_waiting, stats.num_waiting > 0 or stats.num_running >= self._member.max_num_seqs
+    def capacity(self) -> tuple[int | None, int]:
+        return self._member.max_num_seqs, self._engine.stats().num_waiting  # stats() takes no lock
 
     def prepare(self, job: Job) -> int:
         prompts = self._tokenize(job)

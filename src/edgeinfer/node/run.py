@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgeinfer.node.capacity import Reservation
 from edgeinfer.node.jobs import Job, Outcome
 from edgeinfer.node.metering import UsageRecord, UsageStore
 from edgeinfer.node.prices import PriceTable
@@ -34,6 +35,7 @@ class RequestRun:
     store: UsageStore
     prices: PriceTable
     access: dict[str, Any]
+    reservation: Reservation | None = None  # the request's place at its model (set once admitted there)
     outcome: Outcome = field(default_factory=Outcome)
     started: bool = False
     _done: bool = field(default=False, init=False)
@@ -43,6 +45,8 @@ class RequestRun:
             return
         self._done = True
         self.lease.release()
+        if self.reservation is not None:
+            self.reservation.release()
         usage = self.outcome.usage
         self.admission.settle_tokens(usage.total_tokens)
         self.admission.release()

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
+from edgeinfer.node.capacity import Capacity
 from edgeinfer.node.config import NodeLimits
 from edgeinfer.node.disconnect import ClientDisconnected, until_disconnect
 from edgeinfer.node.errors import (
@@ -62,6 +63,7 @@ class NodeService:
         self.store = store
         self.prices = prices
         self.metrics = metrics
+        self.capacity = Capacity(limits.max_queue_depth)
 
     async def execute(
         self, request: Request, tenant: Tenant, job: Job, renderer_cls: type[Renderer]
@@ -100,7 +102,11 @@ class NodeService:
         run = RequestRun(job, tenant, model, admission, lease, self.metrics, self.store, self.prices, access)
         try:
             backend = self._backend(lease, tenant)
-            await self._check_engine_queue(model, job, backend)
+            seats, waiting = backend.capacity()
+            # no await between the check and the reservation: a burst cannot overshoot the queue
+            run.reservation = self.capacity.reserve(
+                model, job.num_choices, seats, waiting, job.reject_if_busy
+            )
             tokens = backend.prepare(job)
             try:
                 admission.reserve_tokens(tokens)
@@ -120,13 +126,6 @@ class NodeService:
             raise busy(f"model {model} is not loaded yet (rejectIfBusy); it is loading now, retry shortly")
         if self.pool.waiting_for_load(model) >= self.limits.max_queue_depth:
             raise busy(f"model {model} has {self.limits.max_queue_depth} requests waiting for it to load")
-
-    async def _check_engine_queue(self, model: str, job: Job, backend: Backend) -> None:
-        waiting, is_busy = await asyncio.to_thread(backend.queue_state)
-        if waiting >= self.limits.max_queue_depth:
-            raise busy(f"model {model} queue is full ({self.limits.max_queue_depth} requests waiting)")
-        if job.reject_if_busy and is_busy:
-            raise busy(f"model {model} is busy and the request asked not to wait (rejectIfBusy)")
 
     async def _acquire(self, model: str) -> Lease:
         try:
