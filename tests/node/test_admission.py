@@ -7,6 +7,7 @@ import asyncio
 import httpx
 
 from edgeinfer.engine.config import EngineConfig
+from edgeinfer.node.config import ConnectionLimits
 
 TWO_SEATS = EngineConfig(
     dtype="float32", batch_window_ms=0, block_size=4, kv_cache_memory_bytes=256 * 1024, max_num_seqs=2
@@ -35,7 +36,13 @@ async def _burst(url: str, path: str, body: dict, count: int, refused: int) -> t
 
 
 def test_burst_never_exceeds_seats_plus_queue(node_factory, tiny_llama_dir) -> None:
-    node = node_factory({"tiny": tiny_llama_dir}, preload=("tiny",), engine=TWO_SEATS, max_queue_depth=8)
+    node = node_factory(
+        {"tiny": tiny_llama_dir},
+        preload=("tiny",),
+        engine=TWO_SEATS,
+        max_queue_depth=8,
+        connections=ConnectionLimits(max_connections_per_client=128),  # all 100 come from loopback
+    )
     rejected, admitted = asyncio.run(_burst(node.url, "/v1/completions", LONG, 100, refused=90))
     assert (rejected, admitted) == (90, 10)
     node.wait_idle("tiny", timeout=30)  # the admitted ones were aborted when the client hung up

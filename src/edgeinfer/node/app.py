@@ -71,7 +71,16 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
     metrics.pool_budget_bytes.set(pool.budget_bytes or 0)
     pool.add_listener(_PoolMetrics(metrics))
     store = UsageStore(config.usage_db)
-    service = NodeService(config.limits, pool, tenants, RateLimiter(), store, prices, metrics)
+    service = NodeService(
+        config.limits,
+        pool,
+        tenants,
+        RateLimiter(),
+        store,
+        prices,
+        metrics,
+        config.connections.stream_write_timeout_s,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,6 +101,7 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.service = service
+    app.state.node_config = config
     app.state.ready = False
     error_handlers.install(app)
     for module in (routes_openai, routes_workers_ai, routes_ops):

@@ -55,8 +55,10 @@ class NodeService:
         store: UsageStore,
         prices: PriceTable,
         metrics: NodeMetrics,
+        stream_write_timeout_s: float,
     ) -> None:
         self.limits = limits
+        self.stream_write_timeout_s = stream_write_timeout_s
         self.pool = pool
         self.tenants = tenants
         self.limiter = limiter
@@ -181,7 +183,7 @@ class NodeService:
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=STATUS_CLIENT_CLOSED)
             raise
-        return SSEResponse(_events(run, renderer, first, deltas), headers=headers)
+        return SSEResponse(_events(run, renderer, first, deltas), headers, self.stream_write_timeout_s)
 
     async def usage(self, tenant: Tenant, start: float | None, end: float | None) -> dict[str, Any]:
         """The tenant's usage per model (everything appended so far is flushed first)."""
