@@ -84,6 +84,7 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        checkpoints = asyncio.create_task(service.checkpoint_usage(config.usage_checkpoint_s))
         try:
             await pool.preload(config.preload)
             app.state.ready = True
@@ -91,6 +92,7 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
             yield
         finally:
             app.state.ready = False
+            checkpoints.cancel()
             await pool.shutdown()
             await asyncio.to_thread(store.close)
 

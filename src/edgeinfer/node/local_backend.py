@@ -131,7 +131,9 @@ class LocalBackend(Backend):
                 index, item = await merged.get()
                 if isinstance(item, BaseException):
                     raise _as_api_error(item)
-                for delta in self._deltas(job, index, item, outcome):
+                deltas = self._deltas(job, index, item, outcome)
+                outcome.usage = self._total_usage(job.n)  # read by the usage checkpoints meanwhile
+                for delta in deltas:
                     yield delta
                 if item.finished:
                     remaining -= 1

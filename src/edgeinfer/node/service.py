@@ -66,6 +66,7 @@ class NodeService:
         self.prices = prices
         self.metrics = metrics
         self.capacity = Capacity(limits.max_queue_depth)
+        self._live: dict[str, RequestRun] = {}  # requests at their model, for usage checkpoints
 
     async def execute(
         self, request: Request, tenant: Tenant, job: Job, renderer_cls: type[Renderer]
@@ -101,7 +102,9 @@ class NodeService:
         except BaseException:
             admission.cancel()
             raise
-        run = RequestRun(job, tenant, model, admission, lease, self.metrics, self.store, self.prices, access)
+        run = RequestRun(
+            job, tenant, model, admission, lease, self.metrics, self.store, self.prices, access, self._live
+        )
         try:
             backend = self._backend(lease, tenant)
             seats, waiting = backend.capacity()
@@ -153,7 +156,7 @@ class NodeService:
     ) -> Response:
         collected = Collected()
         status = 500
-        run.started = True
+        run.start()
         try:
             await until_disconnect(request, _collect(backend.run(run.job, run.outcome), collected))
             status = 200
@@ -172,7 +175,7 @@ class NodeService:
         self, request: Request, run: RequestRun, backend: Backend, renderer: Renderer, headers: dict[str, str]
     ) -> Response:
         deltas = backend.run(run.job, run.outcome)
-        run.started = True
+        run.start()
         # Wait for the first delta before answering, so errors found by the engine on admission
         # (context too long, ...) still get a proper HTTP status instead of an event mid-stream.
         try:
@@ -184,6 +187,13 @@ class NodeService:
                 return Response(status_code=STATUS_CLIENT_CLOSED)
             raise
         return SSEResponse(_events(run, renderer, first, deltas), headers, self.stream_write_timeout_s)
+
+    async def checkpoint_usage(self, interval_s: float) -> None:
+        """Forever: every `interval_s`, save the usage of every request in flight."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for run in list(self._live.values()):
+                run.checkpoint()
 
     async def usage(self, tenant: Tenant, start: float | None, end: float | None) -> dict[str, Any]:
         """The tenant's usage per model (everything appended so far is flushed first)."""
