@@ -45,7 +45,7 @@ def test_kill_9_bills_the_streams_in_flight(tmp_path, tiny_llama_dir) -> None:
             while seen < 100:
                 line = next(lines)
                 seen += line.startswith("data: {") and bool(json.loads(line[6:])["choices"])
-            time.sleep(0.6)  # a checkpoint after the 100th token
+            time.sleep(1.5)  # checkpoints after the 100th token (every 0.25 s)
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
     finally:

@@ -26,10 +26,10 @@ _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,127}")
 
 
 class NodeMiddleware:
-    """Gives every request an id (`x-request-id` on every response, `request_id` in its state) and an
-    `access` dict (routes add fields to it), enforces the body's size and deadline while it is read,
-    answers unexpected exceptions with a generic 500, and when the response is over (or the client left)
-    writes one JSON access-log line and counts the outcome of inference requests by model and status."""
+    """Gives every request an id (`x-request-id` on every response) and an `access` dict in its state
+    (holding the id as `request_id`; routes add fields to it), enforces the body's size and deadline while
+    it is read, answers unexpected exceptions with a generic 500, and when the response is over (or the
+    client left) writes one JSON access-log line and counts the outcome of inference requests."""
 
     def __init__(
         self, app: ASGIApp, metrics: NodeMetrics, max_body_bytes: int, body_timeout_s: float
@@ -46,7 +46,7 @@ class NodeMiddleware:
         started = time.monotonic()
         request_id = _request_id(scope)
         access: dict[str, Any] = {"request_id": request_id}
-        scope.setdefault("state", {}).update(access=access, request_id=request_id)
+        scope.setdefault("state", {})["access"] = access
         status: list[int] = []
 
         async def send_wrapper(message: Message) -> None:
