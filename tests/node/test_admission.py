@@ -15,11 +15,13 @@ TWO_SEATS = EngineConfig(
 LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 480, "ignore_eos": True}
 
 
-async def _burst(url: str, path: str, body: dict, count: int, refused: int) -> tuple[int, int]:
+async def _burst(
+    url: str, path: str, body: dict, count: int, refused: int, headers: dict | None = None
+) -> tuple[int, int]:
     """Send `count` requests at once; wait until `refused` of them got 429 (or 20 s), then hang up on the
     rest. Returns (429s, answers that were not 429 or are still pending)."""
     limits = httpx.Limits(max_connections=count + 10)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits, headers=headers) as client:
         tasks = [asyncio.create_task(client.post(path, json=body)) for _ in range(count)]
         rejected = 0
         try:
@@ -55,5 +57,16 @@ def test_burst_of_reject_if_busy_takes_only_the_free_seats(node_factory, tiny_ll
     body = {"prompt": "Hello", "max_tokens": 480, "options": {"rejectIfBusy": True}}
     rejected, admitted = asyncio.run(_burst(node.url, "/accounts/a/ai/run/tiny", body, 20, refused=18))
     assert (rejected, admitted) == (18, 2)
+    node.wait_idle("tiny", timeout=30)
+    node.engine("tiny").check_integrity()
+
+
+def test_burst_never_exceeds_a_keys_concurrency(node_factory, tiny_llama_dir, make_tenant) -> None:
+    node = node_factory(
+        {"tiny": tiny_llama_dir}, preload=("tiny",), tenants=[make_tenant("t", "k", max_concurrent=3)]
+    )
+    auth = {"authorization": "Bearer k"}
+    rejected, admitted = asyncio.run(_burst(node.url, "/v1/completions", LONG, 20, refused=17, headers=auth))
+    assert (rejected, admitted) == (17, 3)
     node.wait_idle("tiny", timeout=30)
     node.engine("tiny").check_integrity()
