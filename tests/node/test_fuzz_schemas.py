@@ -80,7 +80,61 @@ _SAMPLING = {
 _MODEL = st.sampled_from(["tiny", "@cf/test/tiny", "nope", ""])
 
 
+# Valid bodies (each field in range), so that fuzzed requests also reach the engine and run there.
+_VALID_SAMPLING = {
+    "temperature": st.floats(min_value=0, max_value=2),
+    "top_p": st.floats(min_value=0.05, max_value=1),
+    "top_k": st.integers(min_value=-1, max_value=2**31 - 1),
+    "min_p": st.floats(min_value=0, max_value=1),
+    "n": st.integers(min_value=1, max_value=3),
+    "seed": st.integers(min_value=0, max_value=2**64 - 1),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
+    "presence_penalty": st.floats(min_value=-2, max_value=2),
+    "frequency_penalty": st.floats(min_value=-2, max_value=2),
+    "repetition_penalty": st.floats(min_value=0.5, max_value=2),
+    "min_tokens": st.integers(min_value=0, max_value=2),
+    "ignore_eos": st.booleans(),
+    "stream": st.booleans(),
+}
+_VALID_TEXT = st.text(min_size=1, max_size=16)
+_VALID_MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]), "content": _VALID_TEXT}),
+    min_size=1,
+    max_size=2,
+).map(lambda ms: [*ms, {"role": "user", "content": "hi"}])
+_FEW_TOKENS = st.integers(min_value=1, max_value=6)
+
+
+def _valid_bodies() -> st.SearchStrategy[tuple[str, dict[str, Any]]]:
+    completion = st.fixed_dictionaries(
+        {
+            "model": st.just("tiny"),
+            "prompt": st.one_of(_VALID_TEXT, st.lists(st.integers(3, 300), min_size=1, max_size=6)),
+            "max_tokens": _FEW_TOKENS,
+        },
+        optional={**_VALID_SAMPLING, "echo": st.booleans(), "logprobs": st.integers(0, 5)},
+    )
+    chat = st.fixed_dictionaries(
+        {"model": st.just("tiny"), "messages": _VALID_MESSAGES, "max_tokens": _FEW_TOKENS},
+        optional={**_VALID_SAMPLING, "logprobs": st.just(True), "top_logprobs": st.integers(0, 5)},
+    )
+    workers_ai = st.fixed_dictionaries(
+        {"prompt": _VALID_TEXT, "max_tokens": _FEW_TOKENS},
+        optional={k: v for k, v in _VALID_SAMPLING.items() if k not in ("n", "min_p", "stop", "min_tokens")},
+    )
+    return st.one_of(
+        st.tuples(st.just("/v1/completions"), completion),
+        st.tuples(st.just("/v1/chat/completions"), chat),
+        st.tuples(st.just(WAI + "tiny"), workers_ai),
+    )
+
+
+def _one_field_off(case: tuple[str, dict[str, Any]], key: str, value: Any) -> tuple[str, dict[str, Any]]:
+    return case[0], {**case[1], key: value}
+
+
 def _bodies() -> st.SearchStrategy[tuple[str, Any]]:
+    """Valid bodies, valid bodies with one field replaced by junk, and bodies of junk."""
     completion = st.fixed_dictionaries(
         {"model": _MODEL, "prompt": _PROMPT, "max_tokens": _MAX_TOKENS},
         optional={**_SAMPLING, "echo": _SCALARS, "logprobs": _SMALL, "suffix": _SCALARS},
@@ -98,7 +152,10 @@ def _bodies() -> st.SearchStrategy[tuple[str, Any]]:
         {"max_tokens": _MAX_TOKENS},
         optional={**_SAMPLING, "prompt": _PROMPT, "messages": _MESSAGES, "raw": _SCALARS},
     )
+    keys = st.sampled_from([*_SAMPLING, "prompt", "messages", "model", "echo", "logprobs", "top_logprobs"])
     return st.one_of(
+        _valid_bodies(),
+        st.builds(_one_field_off, _valid_bodies(), keys, st.one_of(_JUNK, _SMALL, _FRACTION)),
         st.tuples(st.just("/v1/completions"), completion),
         st.tuples(st.just("/v1/chat/completions"), chat),
         st.tuples(_MODEL.map(lambda m: WAI + (m or "tiny")), workers_ai),
