@@ -21,8 +21,9 @@ from helpers.tiny_models import make_tiny
 
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.node.app import create_app
-from edgeinfer.node.config import NodeConfig, NodeLimits
+from edgeinfer.node.config import ConnectionLimits, NodeConfig, NodeLimits
 from edgeinfer.node.keys import hash_key
+from edgeinfer.node.server import uvicorn_config
 from edgeinfer.node.service import NodeService
 from edgeinfer.pool.loader import EngineLoader
 from edgeinfer.pool.manager import ModelPool
@@ -48,7 +49,7 @@ class LiveServer:
 
     def __init__(self, app: Any, service: NodeService) -> None:
         self.service = service
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
+        config = uvicorn_config(app, app.state.node_config, "127.0.0.1", 0, log_level="warning")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="test-node", daemon=True)
         self.url = ""
@@ -67,6 +68,18 @@ class LiveServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(30)
+
+    def shrink_send_buffers(self, size: int = 4096) -> int:
+        """Give every open connection a small kernel send buffer, as a slow network would (loopback's
+        autotuned buffers take megabytes before a writer notices that nobody reads). Returns how many."""
+        connections = list(self._server.server_state.connections)
+        for protocol in connections:
+            protocol.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+        return len(connections)
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
 
     def engine(self, model: str) -> Any:
         return self.service.pool.residents()[model].engine
@@ -98,6 +111,9 @@ class NodeFactory:
         budget: int | None = None,
         preload: tuple[str, ...] = (),
         engine: EngineConfig = TEST_ENGINE,
+        connections: ConnectionLimits | None = None,
+        trusted_proxies: tuple[str, ...] = (),
+        usage_checkpoint_s: float = 1.0,
         **limits: int,
     ) -> LiveServer:
         specs = [MemberSpec(n, LOCAL, p, (aliases or {}).get(n, ())) for n, p in models.items()]
@@ -108,6 +124,9 @@ class NodeFactory:
             tenants_file.write_text(json.dumps({"tenants": tenants}))
         config = NodeConfig(
             limits=NodeLimits(**limits),
+            connections=connections or ConnectionLimits(),
+            trusted_proxies=trusted_proxies,
+            usage_checkpoint_s=usage_checkpoint_s,
             tenants_file=str(tenants_file) if tenants_file else None,
             usage_db=str(self.tmp_path / f"usage-{len(self.servers)}.sqlite"),
             preload=preload,

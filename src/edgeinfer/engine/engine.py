@@ -17,10 +17,10 @@ from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, resolve_dtype
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
-from edgeinfer.engine.runner.runner import ModelRunner
-from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig
+from edgeinfer.engine.runner.runner import ModelRunner, RunnerOutput
+from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from edgeinfer.engine.tokenizer import Tokenizer
-from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
+from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +116,13 @@ class LLMEngine:
     def add_request(self, request: EngineRequest) -> str:
         self.validate(request)
         req = Request.from_engine_request(request, self.tokenizer.eos_token_ids, self.clock())
+        # Output state first: a request the scheduler holds must always have one, or every step would fail.
+        self.outputs.add(req, request.arrival_time)
         try:
             self.scheduler.add_request(req)
         except ValueError as e:
+            self.outputs.drop(req.request_id)
             raise EngineInputError(str(e)) from None
-        self.outputs.add(req, request.arrival_time)
         return request.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -132,8 +134,11 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step for every scheduled request. What one request brings (its sampling parameters, NaN
+        logits, an exception while decoding its text) fails that request alone; the others' tokens are
+        those of a step without it."""
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
+        result = self._execute(sched)
         now = self.clock()
         outputs = []
         for rid, message in result.errors.items():
@@ -141,17 +146,45 @@ class LLMEngine:
             req = self.scheduler.finish(rid, FinishReason.ERROR)
             if req is not None:
                 log.error("request %s failed: %s", rid, message)
-                outputs.append(self.outputs.make_output(req, now, error=message))
+                outputs.append(self.outputs.fail(req, message, now))
         for rid, lps in result.prompt_logprobs.items():
             self.outputs.add_prompt_logprobs(rid, lps)
         for req in self.scheduler.update(sched, result.tokens):
-            if self.outputs.on_token(req, result.logprobs.get(req.request_id), now):
+            outputs.append(self._token_output(req, result.logprobs.get(req.request_id), now))
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run the step; if it raises, find the requests that make it fail by running each one alone,
+        then redo the step without them (they fail with an error output)."""
+        try:
+            return self.runner.execute(sched)
+        except Exception:
+            log.exception("a step of %d requests failed; isolating the cause", len(sched.chunks))
+        errors = {}
+        for chunk in sched.chunks:
+            try:
+                self.runner.execute(SchedulerOutput(chunks=[chunk]))
+            except Exception:
+                log.exception("request %s fails its step", chunk.request_id)
+                errors[chunk.request_id] = "internal error while computing this request's next token"
+        healthy = SchedulerOutput(chunks=[c for c in sched.chunks if c.request_id not in errors])
+        result = self.runner.execute(healthy)
+        result.errors.update(errors)
+        return result
+
+    def _token_output(self, req: Request, logprob: TokenLogprob | None, now: float) -> RequestOutput:
+        """Decode the request's new token (stop strings included); an exception there fails it alone."""
+        try:
+            if self.outputs.on_token(req, logprob, now):
                 if req.is_finished:
                     req.finish_reason = FinishReason.STOP  # the stop string came with the last token
                 else:
                     self.scheduler.finish(req.request_id, FinishReason.STOP)
-            outputs.append(self.outputs.make_output(req, now))
-        return outputs
+            return self.outputs.make_output(req, now)
+        except Exception:
+            log.exception("decoding the output of request %s failed", req.request_id)
+            self.scheduler.finish(req.request_id, FinishReason.ERROR)
+            return self.outputs.fail(req, "internal error while decoding this request's output", now)
 
     def next_wakeup(self) -> float | None:
         """When a step can make progress: now if anything runs, else when the admission window closes."""

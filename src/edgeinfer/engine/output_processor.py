@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from edgeinfer.engine.detokenizer import IncrementalDetokenizer
 from edgeinfer.engine.scheduler import Request
 from edgeinfer.engine.tokenizer import Tokenizer
-from edgeinfer.types import RequestOutput, Timeline, TokenLogprob, Usage
+from edgeinfer.types import FinishReason, RequestOutput, Timeline, TokenLogprob, Usage
 
 
 @dataclass
@@ -51,6 +51,24 @@ class OutputProcessor:
             prompt_logprobs=[None] if s.prompt_logprobs is not None else None,
         )
 
+    def drop(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def fail(self, req: Request, message: str, now: float) -> RequestOutput:
+        """The last output of a request that failed: no text (its decoder may be what failed), the error."""
+        st = self.states.pop(req.request_id)
+        st.timeline.finished = now
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            text_delta="",
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            usage=Usage(st.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens),
+            timeline=st.timeline,
+            error=message,
+        )
+
     def add_prompt_logprobs(self, request_id: str, lps: list[TokenLogprob]) -> None:
         st = self.states.get(request_id)
         if st is not None and st.prompt_logprobs is not None:
@@ -77,7 +95,7 @@ class OutputProcessor:
         st.stopped_by_string = True
         return True
 
-    def make_output(self, req: Request, now: float, error: str | None = None) -> RequestOutput:
+    def make_output(self, req: Request, now: float) -> RequestOutput:
         """The delta since the last output of this request; forgets the request once it finished."""
         st = self.states[req.request_id]
         finished = req.is_finished
@@ -96,7 +114,6 @@ class OutputProcessor:
             usage=Usage(st.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens),
             logprobs=st.pending_logprobs,
             timeline=st.timeline,
-            error=error,
         )
         st.pending_logprobs = []
         if st.prompt_logprobs is not None and not st.prompt_logprobs_sent and new_ids:

@@ -71,10 +71,20 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
     metrics.pool_budget_bytes.set(pool.budget_bytes or 0)
     pool.add_listener(_PoolMetrics(metrics))
     store = UsageStore(config.usage_db)
-    service = NodeService(config.limits, pool, tenants, RateLimiter(), store, prices, metrics)
+    service = NodeService(
+        config.limits,
+        pool,
+        tenants,
+        RateLimiter(),
+        store,
+        prices,
+        metrics,
+        config.connections.stream_write_timeout_s,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        checkpoints = asyncio.create_task(service.checkpoint_usage(config.usage_checkpoint_s))
         try:
             await pool.preload(config.preload)
             app.state.ready = True
@@ -82,6 +92,7 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
             yield
         finally:
             app.state.ready = False
+            checkpoints.cancel()
             await pool.shutdown()
             await asyncio.to_thread(store.close)
 
@@ -92,9 +103,15 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.service = service
+    app.state.node_config = config
     app.state.ready = False
     error_handlers.install(app)
     for module in (routes_openai, routes_workers_ai, routes_ops):
         app.include_router(module.router)
-    app.add_middleware(NodeMiddleware, metrics=metrics, max_body_bytes=config.limits.max_body_bytes)
+    app.add_middleware(
+        NodeMiddleware,
+        metrics=metrics,
+        max_body_bytes=config.limits.max_body_bytes,
+        body_timeout_s=config.connections.body_timeout_s,
+    )
     return app

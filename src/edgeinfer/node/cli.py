@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from edgeinfer.node.config import NodeConfig, NodeLimits, default_usage_db
+from edgeinfer.node.config import ConnectionLimits, NodeConfig, NodeLimits, default_usage_db
 from edgeinfer.obs.access_log import ACCESS_LOGGER
 from edgeinfer.pool.spec import (
     LOCAL,
@@ -112,6 +112,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="key for tenant cache namespaces (default: random per process)",
     )
     server.add_argument("--no-access-log", action="store_true")
+    server.add_argument(
+        "--trusted-proxy",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="an address (or CIDR) whose X-Forwarded-For is believed, e.g. the router's (repeatable; "
+        "default: nobody's); trusted proxies are also exempt from --max-connections-per-client",
+    )
+    server.add_argument(
+        "--usage-checkpoint-interval",
+        type=float,
+        default=NodeConfig.usage_checkpoint_s,
+        metavar="S",
+        help="save the usage of requests in flight this often; a crash loses at most this much "
+        f"({NodeConfig.usage_checkpoint_s:g})",
+    )
+    connections = parser.add_argument_group("slow or stalled clients (seconds; connections)")
+    for name, text in _CONNECTION_HELP.items():
+        value = getattr(ConnectionLimits(), name)
+        flag = "--" + name.removesuffix("_s").replace("_", "-")
+        kind = int if isinstance(value, int) else float
+        connections.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            default=value,
+            metavar=kind.__name__.upper(),
+            help=f"{text} ({value:g})",
+        )
     limits = parser.add_argument_group(
         "request limits (beyond them: 400, 413 for the body, 429 for the queue)"
     )
@@ -133,10 +162,26 @@ _LIMIT_HELP = {
 }
 
 
+_CONNECTION_HELP = {
+    "header_timeout_s": "a connection must complete its request headers within this; else it is closed",
+    "body_timeout_s": "a request body must arrive within this after its headers; else 408",
+    "keep_alive_timeout_s": "an idle keep-alive connection is closed after this",
+    "max_connections_per_client": "connections one client address may hold open",
+    "stream_write_timeout_s": "a stream whose reader takes nothing for this long is aborted",
+    "shutdown_grace_s": "on SIGTERM, requests in flight may finish within this; the rest are aborted",
+}
+
+
 def build_config(args: argparse.Namespace) -> NodeConfig:
     limits = NodeLimits(**{name: getattr(args, name) for name in NodeLimits.__dataclass_fields__})
+    connections = ConnectionLimits(
+        **{name: getattr(args, name) for name in ConnectionLimits.__dataclass_fields__}
+    )
     return NodeConfig(
         limits=limits,
+        connections=connections,
+        trusted_proxies=tuple(args.trusted_proxy),
+        usage_checkpoint_s=args.usage_checkpoint_interval,
         tenants_file=args.tenants,
         prices_file=args.prices,
         usage_db=args.usage_db or default_usage_db(),
@@ -180,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
 
     from edgeinfer.engine.config import EngineConfig
     from edgeinfer.node.app import create_app
+    from edgeinfer.node.server import uvicorn_config
     from edgeinfer.pool.loader import EngineLoader
     from edgeinfer.pool.manager import ModelPool
 
@@ -207,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         pool.resolve(name)  # an unknown --preload name fails here, in one line, before anything loads
     _configure_access_log(enabled=not args.no_access_log)
     app = create_app(config, pool)
-    uvicorn.run(app, host=args.host, port=args.port, access_log=False, timeout_graceful_shutdown=30)
+    uvicorn.Server(uvicorn_config(app, config, args.host, args.port)).run()
     return 0
 
 

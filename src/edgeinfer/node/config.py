@@ -33,13 +33,35 @@ class NodeLimits:
 
 
 @dataclass(frozen=True)
+class ConnectionLimits:
+    """What a slow, stalled or greedy client may hold (seconds, connections); defaults in docs/server.md."""
+
+    header_timeout_s: float = 10.0  # from connecting (or the previous response) to the end of the headers
+    body_timeout_s: float = 30.0  # from the end of the headers to the end of the body (else 408)
+    keep_alive_timeout_s: float = 5.0  # an idle connection between requests is closed
+    max_connections_per_client: int = 64  # per client address, proxies in trusted_proxies exempt
+    stream_write_timeout_s: float = 30.0  # a stream whose reader takes nothing this long is aborted
+    shutdown_grace_s: float = 30.0  # on SIGTERM, requests in flight get this long, then are aborted
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name.replace('_', '-')} must be > 0")
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     """How the server authenticates, meters and bounds requests. The pool is configured separately."""
 
     limits: NodeLimits = field(default_factory=NodeLimits)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    # Peers whose X-Forwarded-For names the client (the router's addresses); nobody's by default.
+    trusted_proxies: tuple[str, ...] = ()
     tenants_file: str | None = None
     prices_file: str | None = None
     usage_db: str = field(default_factory=default_usage_db)
     # HMAC key for tenant cache namespaces; random per process when unset (the KV cache is in-process).
     server_secret: bytes | None = None
     preload: tuple[str, ...] = ()
+    # Usage of requests in flight is saved this often, so a crash loses at most this much of it.
+    usage_checkpoint_s: float = 1.0

@@ -1,24 +1,22 @@
-"""Every error leaves in the caller's API shape: OpenAI's on /v1, the Workers-AI envelope on /ai/run."""
+"""Every error leaves in the caller's API shape: OpenAI's on /v1, the Workers-AI envelope on /ai/run.
+
+Unexpected exceptions are answered by `NodeMiddleware` (a generic 500 naming the request id), not here:
+Starlette's handler for `Exception` re-raises after answering, which resets the connection."""
 
 from __future__ import annotations
-
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from edgeinfer.node.errors import ApiError, bad_request, internal, unprocessable
-
-logger = logging.getLogger("edgeinfer.node")
+from edgeinfer.node.errors import ApiError, bad_request, body_too_large, unprocessable
 
 
 def install(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected)
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
@@ -42,11 +40,9 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
-    code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code)
-    error = ApiError(exc.status_code, str(exc.detail), code=code)
+    if exc.status_code == 413:
+        error = body_too_large(str(exc.detail))
+    else:
+        code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout"}.get(exc.status_code)
+        error = ApiError(exc.status_code, str(exc.detail), code=code)
     return error.response(request.url.path)
-
-
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s", request.url.path)
-    return internal(f"internal error: {exc!r}").response(request.url.path)

@@ -108,14 +108,17 @@ def busy(message: str, retry_after: float = 1.0) -> ApiError:
     )
 
 
-def body_too_large(limit: int) -> ApiError:
-    return ApiError(
-        413, f"request body larger than {limit} bytes", code="body_too_large", wai_code=WAI_TOO_LARGE
-    )
+def body_too_large(message: str) -> ApiError:
+    return ApiError(413, message, code="body_too_large", wai_code=WAI_TOO_LARGE)
 
 
 def internal(message: str) -> ApiError:
     return ApiError(500, message, type="server_error", code="internal_error", wai_code=WAI_INTERNAL)
+
+
+def unexpected(request_id: str) -> ApiError:
+    """A bug on our side: the body names the request id only; the details go to the log."""
+    return internal(f"internal error; the server log has the details under request id {request_id}")
 
 
 def unavailable(message: str, retry_after: float | None = 5.0) -> ApiError:

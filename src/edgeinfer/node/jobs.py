@@ -96,6 +96,6 @@ class Backend(abc.ABC):
         """Stream the job's deltas; closing the iterator early aborts the generation."""
 
     @abc.abstractmethod
-    def queue_state(self) -> tuple[int, bool]:
-        """(requests queued at the member and not yet running, whether a new request would have to
-        wait in a queue — for `rejectIfBusy`). May block briefly: call it from a worker thread."""
+    def capacity(self) -> tuple[int | None, int]:
+        """(how many requests the member runs at once — None when it queues on its own, as upstreams
+        do —, how many it holds waiting right now). Never blocks."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -15,6 +16,9 @@ from edgeinfer.obs.canary import DEGENERATE_REPETITION, NONFINITE_LOGITS, is_deg
 from edgeinfer.obs.timing import LatencyBreakdown
 from edgeinfer.pool.member import LocalMember
 from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
+from edgeinfer.types.sampling import choice_seed
+
+logger = logging.getLogger("edgeinfer.node")
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
@@ -44,10 +48,8 @@ class LocalBackend(Backend):
         self._pieces: dict[int, str] = {}
         self.version = member.version
 
-    def queue_state(self) -> tuple[int, bool]:
-        # stats() takes the engine lock, held during a model step: hence "call from a worker thread".
-        stats = self._engine.stats()
-        return stats.num_waiting, stats.num_waiting > 0 or stats.num_running >= self._member.max_num_seqs
+    def capacity(self) -> tuple[int | None, int]:
+        return self._member.max_num_seqs, self._engine.stats().num_waiting  # stats() takes no lock
 
     def prepare(self, job: Job) -> int:
         prompts = self._tokenize(job)
@@ -58,11 +60,10 @@ class LocalBackend(Backend):
             echo_logprobs = job.logprobs if job.echo else None
             sampling = _replace(job.sampling, max_tokens=max_tokens, prompt_logprobs=echo_logprobs)
             for i in range(job.n):
-                seed = None if sampling.seed is None else sampling.seed + i
                 request = EngineRequest(
                     request_id=f"{job.request_id}-{p * job.n + i}",
                     prompt_token_ids=ids,
-                    sampling=_replace(sampling, seed=seed),
+                    sampling=_replace(sampling, seed=choice_seed(sampling.seed, i)),
                     tenant=self._tenant,
                     model=self._member.name,
                     arrival_time=job.arrival,
@@ -75,7 +76,10 @@ class LocalBackend(Backend):
     def _tokenize(self, job: Job) -> list[tuple[list[int], str]]:
         tok = self._tokenizer
         if job.kind == CHAT:
-            text = tok.apply_chat_template(job.messages, add_generation_prompt=True)
+            try:
+                text = tok.apply_chat_template(job.messages, add_generation_prompt=True)
+            except ValueError as exc:  # messages the template refuses (roles, order, emptiness)
+                raise bad_request(str(exc), "messages") from None
             # The chat template already holds the special tokens (BOS) the model expects.
             return [(tok.encode(text, add_special_tokens=False), text)]
         out: list[tuple[list[int], str]] = []
@@ -127,7 +131,9 @@ class LocalBackend(Backend):
                 index, item = await merged.get()
                 if isinstance(item, BaseException):
                     raise _as_api_error(item)
-                for delta in self._deltas(job, index, item, outcome):
+                deltas = self._deltas(job, index, item, outcome)
+                outcome.usage = self._total_usage(job.n)  # read by the usage checkpoints meanwhile
+                for delta in deltas:
                     yield delta
                 if item.finished:
                     remaining -= 1
@@ -255,4 +261,5 @@ def _as_api_error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, ValueError):  # EngineInputError: the request itself is unservable
         return bad_request(str(exc))
-    return internal(f"engine failure: {exc!r}")
+    logger.error("engine failure", exc_info=exc)
+    return internal("internal error in the engine; the server log has the details")

@@ -1,59 +1,89 @@
-"""Pure ASGI middleware (it must not buffer streams): body size limit, JSON access log, outcome counts."""
+"""Pure ASGI middleware (it must not buffer streams): request ids, body size and time limits, a generic
+500 for unexpected errors, JSON access log, outcome counts."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import re
 import time
+import uuid
 from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from edgeinfer.node.errors import is_workers_ai_path
+from edgeinfer.node.errors import is_workers_ai_path, unexpected
 from edgeinfer.node.run import STATUS_CLIENT_CLOSED
 from edgeinfer.obs.access_log import log_access
 from edgeinfer.obs.metrics import NodeMetrics
 
+logger = logging.getLogger("edgeinfer.node")
+
 _INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")
+# A client's (or the router's) own request id is kept when it is this tame; anything else is replaced.
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,127}")
 
 
 class NodeMiddleware:
-    """Gives every request an `access` dict in its state (routes add fields to it), enforces the body
-    limit while the body is read, and when the response is over (or the client left) writes one JSON
-    access-log line and counts the outcome of inference requests by model and status."""
+    """Gives every request an id (`x-request-id` on every response) and an `access` dict in its state
+    (holding the id as `request_id`; routes add fields to it), enforces the body's size and deadline while
+    it is read, answers unexpected exceptions with a generic 500, and when the response is over (or the
+    client left) writes one JSON access-log line and counts the outcome of inference requests."""
 
-    def __init__(self, app: ASGIApp, metrics: NodeMetrics, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, metrics: NodeMetrics, max_body_bytes: int, body_timeout_s: float
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = time.monotonic()
-        access: dict[str, Any] = {}
+        request_id = _request_id(scope)
+        access: dict[str, Any] = {"request_id": request_id}
         scope.setdefault("state", {})["access"] = access
         status: list[int] = []
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status.append(message["status"])
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
             await send(message)
 
         try:
-            await self.app(scope, self._limited(scope, receive), send_wrapper)
+            await self.app(scope, self._limited(scope, receive, started), send_wrapper)
+        except Exception:
+            logger.exception("unhandled error on %s (request id %s)", scope.get("path"), request_id)
+            if not status:  # once a response started, the server can only close the connection
+                await unexpected(request_id).response(scope.get("path", ""))(scope, receive, send_wrapper)
         finally:
             self._finish(scope, access, status, started)
 
-    def _limited(self, scope: Scope, receive: Receive) -> Receive:
+    def _limited(self, scope: Scope, receive: Receive, started: float) -> Receive:
         declared = _content_length(scope)
         raise_at_read = declared is not None and declared > self.max_body_bytes
+        deadline = started + self.body_timeout_s
         seen = 0
+        more_body = True
 
         async def receive_limited() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, more_body
+            if not more_body:  # the body is in; what follows is the wait for a disconnect
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise HTTPException(
+                    408, f"request body not received within {self.body_timeout_s:g} s"
+                ) from None
             if message["type"] == "http.request":
+                more_body = message.get("more_body", False)
                 seen += len(message.get("body", b""))
                 if raise_at_read or seen > self.max_body_bytes:
                     raise HTTPException(413, f"request body larger than {self.max_body_bytes} bytes")
@@ -78,6 +108,16 @@ class NodeMiddleware:
                 **{k: v for k, v in access.items() if k != "status"},
             }
         )
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope.get("headers", []):
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if _CLIENT_REQUEST_ID.fullmatch(text):
+                return text
+            break
+    return uuid.uuid4().hex
 
 
 def _content_length(scope: Scope) -> int | None:

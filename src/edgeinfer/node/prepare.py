@@ -21,7 +21,18 @@ from edgeinfer.types import SamplingParams
 OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
+def refuse_unsupported(raw: dict[str, Any]) -> None:
+    """Every route refuses what no route can honour yet (structured outputs, tools) with the same 400,
+    rather than ignoring it."""
+    if raw.get("tools"):
+        raise bad_request("tools are not supported by this server", "tools")
+    fmt = raw.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
+        raise bad_request("only response_format type 'text' is supported", "response_format")
+
+
 def completion_job(body: CompletionRequest, raw: dict[str, Any], limits: NodeLimits) -> Job:
+    refuse_unsupported(raw)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompts = _prompts(body.prompt)
@@ -49,10 +60,7 @@ def completion_job(body: CompletionRequest, raw: dict[str, Any], limits: NodeLim
 
 
 def chat_job(body: ChatCompletionRequest, raw: dict[str, Any], limits: NodeLimits) -> Job:
-    if body.tools:
-        raise bad_request("tools are not supported by this server", "tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format type 'text' is supported", "response_format")
+    refuse_unsupported(raw)
     logprobs = None
     if body.logprobs:
         logprobs = body.top_logprobs or 0
@@ -80,8 +88,9 @@ def chat_job(body: ChatCompletionRequest, raw: dict[str, Any], limits: NodeLimit
     )
 
 
-def workers_ai_job(model: str, body: WorkersAIRunRequest, limits: NodeLimits) -> Job:
+def workers_ai_job(model: str, body: WorkersAIRunRequest, raw: dict[str, Any], limits: NodeLimits) -> Job:
     """`prompt` is wrapped as one user message in the chat template unless `raw` is true."""
+    refuse_unsupported(raw)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of `prompt` or `messages`")
     max_tokens = body.max_tokens or limits.workers_ai_default_max_tokens

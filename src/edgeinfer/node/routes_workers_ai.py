@@ -23,5 +23,5 @@ async def run_model(
 ) -> Response:
     """Text generation. The account id is accepted for compatibility; the API key decides the tenant."""
     service = request.app.state.service
-    job = workers_ai_job(model, body, service.limits)
+    job = workers_ai_job(model, body, await request.json(), service.limits)
     return await service.execute(request, tenant, job, WorkersAIRenderer)

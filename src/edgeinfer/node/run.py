@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgeinfer.node.capacity import Reservation
 from edgeinfer.node.jobs import Job, Outcome
-from edgeinfer.node.metering import UsageRecord, UsageStore
+from edgeinfer.node.metering import STATUS_INTERRUPTED, UsageRecord, UsageStore
 from edgeinfer.node.prices import PriceTable
 from edgeinfer.node.ratelimit import Admission
 from edgeinfer.node.tenants import Tenant
 from edgeinfer.obs.metrics import NodeMetrics, RequestMeasure
 from edgeinfer.pool.manager import Lease
+from edgeinfer.types import Usage
 
 STATUS_CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer was complete"
 
@@ -23,6 +26,8 @@ class RequestRun:
 
     `finish` is synchronous and idempotent: it runs from a streaming generator that may be closing
     under cancellation (client gone), where awaiting is not reliable.
+
+    From `start` to `finish` the run is in `live` (keyed by its request id), where `checkpoint` finds it.
     """
 
     job: Job
@@ -34,15 +39,33 @@ class RequestRun:
     store: UsageStore
     prices: PriceTable
     access: dict[str, Any]
+    live: dict[str, RequestRun]
+    reservation: Reservation | None = None  # the request's place at its model (set once admitted there)
     outcome: Outcome = field(default_factory=Outcome)
     started: bool = False
     _done: bool = field(default=False, init=False)
+    _checkpointed: Usage | None = field(default=None, init=False)
+
+    def start(self) -> None:
+        """The request reaches its model: from now on it is metered."""
+        self.started = True
+        self.live[self.job.request_id] = self
+
+    def checkpoint(self) -> None:
+        """Save the usage so far (if it changed), so that a crash does not lose it."""
+        usage = dataclasses.replace(self.outcome.usage)
+        if not self._done and usage != self._checkpointed:
+            self._checkpointed = usage
+            self.store.checkpoint(self._record(STATUS_INTERRUPTED))
 
     def finish(self, status: int) -> None:
         if self._done:
             return
         self._done = True
+        self.live.pop(self.job.request_id, None)
         self.lease.release()
+        if self.reservation is not None:
+            self.reservation.release()
         usage = self.outcome.usage
         self.admission.settle_tokens(usage.total_tokens)
         self.admission.release()
@@ -58,21 +81,22 @@ class RequestRun:
         )
 
     def _meter(self, status: int) -> None:
+        self.store.append(self._record(status))
+
+    def _record(self, status: int) -> UsageRecord:
         usage = self.outcome.usage
         price = self.prices.price(self.model, self.tenant.prices)
-        self.store.append(
-            UsageRecord(
-                ts=time.time(),
-                tenant=self.tenant.name,
-                model=self.model,
-                request_id=self.job.request_id,
-                endpoint=self.job.endpoint,
-                status=status,
-                input_tokens=usage.prompt_tokens,
-                cached_input_tokens=usage.cached_tokens,
-                output_tokens=usage.completion_tokens,
-                cost_units=price.cost(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens),
-            )
+        return UsageRecord(
+            ts=time.time(),
+            tenant=self.tenant.name,
+            model=self.model,
+            request_id=self.job.request_id,
+            endpoint=self.job.endpoint,
+            status=status,
+            input_tokens=usage.prompt_tokens,
+            cached_input_tokens=usage.cached_tokens,
+            output_tokens=usage.completion_tokens,
+            cost_units=price.cost(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens),
         )
 
     def _observe(self) -> None:

@@ -1,18 +1,47 @@
 """Request bodies of the OpenAI and Workers-AI APIs (responses are built as plain dicts in render_*).
 
 Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot honour (tools, non-text
-response formats, logit_bias, suffix) are refused with 400 rather than silently dropped.
+response formats, logit_bias, suffix) are refused with 400 rather than silently dropped. Types are strict
+(`true` is not an integer, `"1"` not a number), and text must be valid Unicode (no lone surrogates, which
+JSON's `\\ud800` escapes can carry): such bodies get 422 before anything else reads them.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from edgeinfer.types.sampling import MAX_SEED, MAX_TOP_K
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _RequestBody(_Body):
+    """A whole request body: its text, at any depth, must encode as UTF-8."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if _has_lone_surrogate(data):
+            raise ValueError("the body holds text that is not valid Unicode (a lone surrogate)")
+        return data
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
 
 
 class StreamOptions(_Body):
@@ -22,24 +51,24 @@ class StreamOptions(_Body):
 class RequestOptions(_Body):
     """Workers-AI request options (also accepted at the top level of OpenAI bodies)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
     reject_if_busy: bool = Field(False, alias="rejectIfBusy")
 
 
-class SamplingFields(_Body):
+class SamplingFields(_RequestBody):
     """Sampling fields shared by completions and chat, including vLLM/SGLang extras."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=10.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     n: int = Field(1, ge=1)
     best_of: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
@@ -85,18 +114,18 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
-class WorkersAIRunRequest(_Body):
+class WorkersAIRunRequest(_RequestBody):
     """POST /accounts/{account_id}/ai/run/{model}: text generation with `prompt` or `messages`."""
 
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     raw: bool = False
     stream: bool = False
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=10.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
+from edgeinfer.node.capacity import Capacity
 from edgeinfer.node.config import NodeLimits
 from edgeinfer.node.disconnect import ClientDisconnected, until_disconnect
 from edgeinfer.node.errors import (
@@ -23,6 +24,7 @@ from edgeinfer.node.errors import (
     model_not_found,
     rate_limited,
     unavailable,
+    unexpected,
     upstream_failed,
 )
 from edgeinfer.node.jobs import Backend, ChoiceDelta, Job
@@ -53,23 +55,29 @@ class NodeService:
         store: UsageStore,
         prices: PriceTable,
         metrics: NodeMetrics,
+        stream_write_timeout_s: float,
     ) -> None:
         self.limits = limits
+        self.stream_write_timeout_s = stream_write_timeout_s
         self.pool = pool
         self.tenants = tenants
         self.limiter = limiter
         self.store = store
         self.prices = prices
         self.metrics = metrics
+        self.capacity = Capacity(limits.max_queue_depth)
+        self._live: dict[str, RequestRun] = {}  # requests at their model, for usage checkpoints
 
     async def execute(
         self, request: Request, tenant: Tenant, job: Job, renderer_cls: type[Renderer]
     ) -> Response:
         access = request.state.access
-        access.update(request_id=job.request_id, tenant=tenant.name, endpoint=job.endpoint, stream=job.stream)
+        access.update(
+            response_id=job.request_id, tenant=tenant.name, endpoint=job.endpoint, stream=job.stream
+        )
         model = self._resolve(job.model)
         access["model"] = model
-        headers = {"x-request-id": job.request_id}
+        headers: dict[str, str] = {}
         if affinity := request.headers.get("x-session-affinity"):
             headers["x-session-affinity"] = access["session_affinity"] = affinity
         run, backend = await self._start(job, tenant, model, access)
@@ -94,10 +102,16 @@ class NodeService:
         except BaseException:
             admission.cancel()
             raise
-        run = RequestRun(job, tenant, model, admission, lease, self.metrics, self.store, self.prices, access)
+        run = RequestRun(
+            job, tenant, model, admission, lease, self.metrics, self.store, self.prices, access, self._live
+        )
         try:
             backend = self._backend(lease, tenant)
-            await self._check_engine_queue(model, job, backend)
+            seats, waiting = backend.capacity()
+            # no await between the check and the reservation: a burst cannot overshoot the queue
+            run.reservation = self.capacity.reserve(
+                model, job.num_choices, seats, waiting, job.reject_if_busy
+            )
             tokens = backend.prepare(job)
             try:
                 admission.reserve_tokens(tokens)
@@ -118,13 +132,6 @@ class NodeService:
         if self.pool.waiting_for_load(model) >= self.limits.max_queue_depth:
             raise busy(f"model {model} has {self.limits.max_queue_depth} requests waiting for it to load")
 
-    async def _check_engine_queue(self, model: str, job: Job, backend: Backend) -> None:
-        waiting, is_busy = await asyncio.to_thread(backend.queue_state)
-        if waiting >= self.limits.max_queue_depth:
-            raise busy(f"model {model} queue is full ({self.limits.max_queue_depth} requests waiting)")
-        if job.reject_if_busy and is_busy:
-            raise busy(f"model {model} is busy and the request asked not to wait (rejectIfBusy)")
-
     async def _acquire(self, model: str) -> Lease:
         try:
             return await self.pool.acquire(model)
@@ -132,9 +139,9 @@ class NodeService:
             raise unavailable(str(exc)) from None
         except UpstreamError as exc:
             raise upstream_failed(exc.status, exc.message) from None
-        except (ValueError, OSError) as exc:  # a checkpoint that cannot be read or built
+        except (ValueError, OSError):  # a checkpoint that cannot be read or built
             logger.exception("loading model %s failed", model)
-            raise internal(f"model {model} failed to load: {exc}") from None
+            raise internal(f"model {model} failed to load; the server log has the details") from None
 
     def _backend(self, lease: Lease, tenant: Tenant) -> Backend:
         member: PoolMember = lease.member
@@ -149,7 +156,7 @@ class NodeService:
     ) -> Response:
         collected = Collected()
         status = 500
-        run.started = True
+        run.start()
         try:
             await until_disconnect(request, _collect(backend.run(run.job, run.outcome), collected))
             status = 200
@@ -168,7 +175,7 @@ class NodeService:
         self, request: Request, run: RequestRun, backend: Backend, renderer: Renderer, headers: dict[str, str]
     ) -> Response:
         deltas = backend.run(run.job, run.outcome)
-        run.started = True
+        run.start()
         # Wait for the first delta before answering, so errors found by the engine on admission
         # (context too long, ...) still get a proper HTTP status instead of an event mid-stream.
         try:
@@ -179,7 +186,14 @@ class NodeService:
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=STATUS_CLIENT_CLOSED)
             raise
-        return SSEResponse(_events(run, renderer, first, deltas), headers=headers)
+        return SSEResponse(_events(run, renderer, first, deltas), headers, self.stream_write_timeout_s)
+
+    async def checkpoint_usage(self, interval_s: float) -> None:
+        """Forever: every `interval_s`, save the usage of every request in flight."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for run in list(self._live.values()):
+                run.checkpoint()
 
     async def usage(self, tenant: Tenant, start: float | None, end: float | None) -> dict[str, Any]:
         """The tenant's usage per model (everything appended so far is flushed first)."""
@@ -244,10 +258,10 @@ async def _events(
         status = exc.status
         yield sse(renderer.error_event(exc))
         yield DONE
-    except Exception as exc:
+    except Exception:
         logger.exception("stream %s failed", run.job.request_id)
         status = 500
-        yield sse(renderer.error_event(internal(f"stream failed: {exc!r}")))
+        yield sse(renderer.error_event(unexpected(run.access["request_id"])))
         yield DONE
     finally:
         try:

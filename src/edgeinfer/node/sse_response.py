@@ -1,11 +1,22 @@
-"""A streaming response that always closes its body generator, even when the client disconnects."""
+"""A streaming response that always closes its body generator, even when the client disconnects or
+stops reading."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncGenerator
 
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from edgeinfer.node.connections import ABORT_CONNECTION
+
+logger = logging.getLogger("edgeinfer.node")
+
+
+class _ReaderStalled(Exception):
+    pass
 
 
 class SSEResponse(StreamingResponse):
@@ -14,16 +25,34 @@ class SSEResponse(StreamingResponse):
     Starlette cancels the sender when the client goes away, which can leave the body generator
     suspended at a `yield`; closing it here runs its cleanup (abort the generation, free the lease,
     meter the tokens) at once instead of whenever the garbage collector gets to it.
+
+    A client that stays connected but stops reading fills the socket buffers, and then every write waits;
+    a write that waits longer than `write_timeout_s` ends the stream the same way and drops the connection,
+    so a stalled reader holds nothing for longer than that.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
+    def __init__(
+        self, content: AsyncGenerator[bytes, None], headers: dict[str, str], write_timeout_s: float
+    ) -> None:
         super().__init__(content, headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
         self._generator = content
+        self._write_timeout_s = write_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_in_time(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._write_timeout_s)
+            except TimeoutError:
+                raise _ReaderStalled() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_in_time)
+        except _ReaderStalled:
+            logger.warning("stream aborted: its reader took nothing for %g s", self._write_timeout_s)
+            abort = scope.get("extensions", {}).get(ABORT_CONNECTION)
+            if abort is not None:
+                abort()
         finally:
             await self._generator.aclose()

@@ -27,8 +27,8 @@ class UpstreamBackend(Backend):
         self._prompt_estimate = 0
         self.version = member.version
 
-    def queue_state(self) -> tuple[int, bool]:
-        return 0, False  # the upstream queues on its own; the node cannot see its queue
+    def capacity(self) -> tuple[int | None, int]:
+        return None, 0  # the upstream queues on its own; the node cannot see its queue
 
     def prepare(self, job: Job) -> int:
         if job.kind == CHAT:

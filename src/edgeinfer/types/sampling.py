@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1  # any k at or above the vocabulary size keeps every token
+MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (what torch.Generator.manual_seed takes)
 
 
 @dataclass
@@ -47,14 +49,18 @@ class SamplingParams:
         )
         _check(0.0 <= self.temperature <= 10.0, "temperature must be in [0, 10]")
         _check(
-            isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be an integer >= -1 (0 or -1: off)"
+            isinstance(self.top_k, int) and -1 <= self.top_k <= MAX_TOP_K,
+            f"top_k must be an integer in [-1, {MAX_TOP_K}] (0 or -1: off)",
         )
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
         _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
         _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer")
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED),
+            "seed must be an integer in [0, 2^64 - 1]",
+        )
         _check(
             isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be an integer >= 0"
         )
@@ -70,6 +76,11 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be ints >= 0",
         )
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of an `n > 1` request: `seed + index`, wrapping within the seed range."""
+    return None if seed is None else (seed + index) % (MAX_SEED + 1)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -44,11 +44,13 @@ class Sampler:
 
     def __init__(self, vocab_limit: int | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._draws: dict[str, tuple[int, torch.Tensor]] = {}  # a seeded request's latest (position, draw)
         self.vocab_limit = vocab_limit
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
+            self._draws.pop(rid, None)
 
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleResult:
         result = SampleResult()
@@ -121,9 +123,21 @@ class Sampler:
         min_p = torch.tensor([c.sampling.min_p for c in chunks], device=logits.device)
         if bool((min_p > 0).any()):
             probs = probs.masked_fill(probs < min_p.unsqueeze(-1) * probs.amax(-1, keepdim=True), 0.0)
-        dev = probs.device
-        u = torch.stack([torch.rand((), generator=self._generator(c, dev), device=dev) for c in chunks])
+        u = torch.stack([self._uniform(c, probs.device) for c in chunks])
         return inverse_cdf(probs, u)
+
+    def _uniform(self, chunk: ScheduledChunk, device: torch.device) -> torch.Tensor:
+        """The row's draw. A seeded request draws once per position: when a step is redone without a
+        request that made it fail, the others reuse their draws and get the tokens of a run without it."""
+        gen = self._generator(chunk, device)
+        if gen is None:
+            return torch.rand((), device=device)
+        position = len(chunk.output_token_ids)
+        drawn = self._draws.get(chunk.request_id)
+        if drawn is None or drawn[0] != position:
+            drawn = (position, torch.rand((), generator=gen, device=device))
+            self._draws[chunk.request_id] = drawn
+        return drawn[1]
 
     def _generator(self, chunk: ScheduledChunk, device: torch.device) -> torch.Generator | None:
         seed = chunk.sampling.seed

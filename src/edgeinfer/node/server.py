@@ -1,0 +1,28 @@
+"""The node's HTTP server: uvicorn configured from `NodeConfig` (timeouts, proxies, connection bounds)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import uvicorn
+
+from edgeinfer.node.config import NodeConfig
+from edgeinfer.node.connections import guarded_protocol
+
+
+def uvicorn_config(app: Any, config: NodeConfig, host: str, port: int, **options: Any) -> uvicorn.Config:
+    """X-Forwarded-For is believed only from `trusted_proxies` (uvicorn's own default trusts loopback)."""
+    limits = config.connections
+    trusted = list(config.trusted_proxies)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=guarded_protocol(limits, frozenset(trusted)),
+        timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works
+        timeout_graceful_shutdown=limits.shutdown_grace_s,  # type: ignore[arg-type]
+        proxy_headers=bool(trusted),
+        forwarded_allow_ips=trusted or None,
+        access_log=False,
+        **options,
+    )

@@ -1,0 +1,60 @@
+"""Metering survives a crash: tokens streamed before a `kill -9` are billed (to the last checkpoint), once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+from conftest import NodeProcesses
+
+from edgeinfer.node.metering import STATUS_INTERRUPTED, UsageStore
+
+
+def test_kill_9_bills_the_streams_in_flight(tmp_path, tiny_llama_dir) -> None:
+    procs = NodeProcesses(tmp_path)
+    url = procs.start(
+        *(
+            "--model",
+            f"tiny={tiny_llama_dir}",
+            "--preload",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "256KiB",
+        ),
+        *("--batch-window-ms", "0", "--max-num-seqs", "1", "--usage-checkpoint-interval", "0.25"),
+    )
+    proc = procs.procs[0]
+    try:
+        done = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 60})
+        assert done.status_code == 200
+        # 8 choices one after the other (one seat): seconds of work, killed early on
+        body = {
+            "model": "tiny",
+            "prompt": "Hello",
+            "max_tokens": 480,
+            "ignore_eos": True,
+            "n": 8,
+            "stream": True,
+        }
+        seen = 0
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()  # held, not closed: closing it would hang up (status 499)
+            while seen < 100:
+                line = next(lines)
+                seen += line.startswith("data: {") and bool(json.loads(line[6:])["choices"])
+            time.sleep(1.5)  # checkpoints after the 100th token (every 0.25 s)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+    finally:
+        procs.stop()
+    store = UsageStore(str(next(tmp_path.glob("proc-*.sqlite"))))  # what a restarted node does first
+    try:
+        rows = sorted(store.records("default"), key=lambda r: r.ts)
+    finally:
+        store.close()
+    assert [r.status for r in rows] == [200, STATUS_INTERRUPTED]  # the finished one is not billed twice
+    assert rows[0].output_tokens == 60
+    assert 100 <= rows[1].output_tokens < 8 * 480 and rows[1].input_tokens > 0
