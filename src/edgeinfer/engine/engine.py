@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, resolve_dtype
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
+from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.runner import ModelRunner
 from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig
 from edgeinfer.engine.tokenizer import Tokenizer
@@ -78,8 +80,16 @@ class LLMEngine:
             config.scheduling_policy,
         )
         self.scheduler = Scheduler(sched_cfg, kv, clock)
+        guidance = LazyGuidanceTokenizer(
+            self.tokenizer.hf, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids
+        )
         self.runner = ModelRunner(
-            self.model, storage, self.device, vocab_limit=self.tokenizer.vocab_size, compile=config.compile
+            self.model,
+            storage,
+            self.device,
+            vocab_limit=self.tokenizer.vocab_size,
+            compile=config.compile,
+            guidance_tokenizer=guidance,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -116,12 +126,28 @@ class LLMEngine:
     def add_request(self, request: EngineRequest) -> str:
         self.validate(request)
         req = Request.from_engine_request(request, self.tokenizer.eos_token_ids, self.clock())
+        matcher = self._matcher(request.sampling.grammar)
         try:
             self.scheduler.add_request(req)
         except ValueError as e:
             raise EngineInputError(str(e)) from None
+        if matcher is not None:
+            self.grammar.add(request.request_id, matcher)
         self.outputs.add(req, request.arrival_time)
         return request.request_id
+
+    @property
+    def grammar(self) -> GrammarRuntime:
+        assert self.runner.grammar is not None
+        return self.runner.grammar
+
+    def _matcher(self, grammar: str | None) -> Any:
+        if grammar is None:
+            return None
+        try:
+            return self.grammar.new_matcher(grammar)
+        except ValueError as e:
+            raise EngineInputError(str(e)) from None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
@@ -150,6 +176,8 @@ class LLMEngine:
                     req.finish_reason = FinishReason.STOP  # the stop string came with the last token
                 else:
                     self.scheduler.finish(req.request_id, FinishReason.STOP)
+            elif req.request_id in result.grammar_done and not req.is_finished:
+                self.scheduler.finish(req.request_id, FinishReason.STOP)  # nothing may follow but EOS
             outputs.append(self.outputs.make_output(req, now))
         return outputs
 
