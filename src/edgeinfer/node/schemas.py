@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI and Workers-AI APIs (responses are built as plain dicts in render_*).
 
-Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot honour (tools, non-text
-response formats, logit_bias, suffix) are refused with 400 rather than silently dropped.
+Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot honour (logit_bias, suffix,
+non-text content parts) are refused with 400 rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class TextPart(_Body):
@@ -71,6 +72,9 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -82,7 +86,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class WorkersAIRunRequest(_Body):
@@ -100,4 +106,5 @@ class WorkersAIRunRequest(_Body):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    response_format: dict[str, Any] | None = None
     options: RequestOptions | None = None
