@@ -33,7 +33,7 @@ def test_normalizes_content_parts() -> None:
         ([], "non-empty list"),
         ("hello", "non-empty list"),
         (["hello"], r"messages\[0\] must be an object"),
-        ([{"role": "robot", "content": "x"}], r"messages\[0\]\.role must be one of system, user, assistant, tool"),
+        ([{"role": "robot", "content": "x"}], r"role must be one of system, user, assistant, tool"),
         ([{"role": "user"}], r"messages\[0\]\.content must be a string or a list of text parts"),
         ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"content\[0\] must be"),
