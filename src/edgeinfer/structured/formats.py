@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from edgeinfer.structured.tools import Tool, ToolCall, ToolChoice, dumps
+from edgeinfer.structured.tools import NAME_PATTERN, Tool, ToolCall, ToolChoice, dumps
 
 TokenRef = Callable[[str], str]
 
@@ -172,7 +172,7 @@ class Glm45Format(ToolFormat):
         calls = []
         for body in self._CALL.findall(text, start):
             name = body.split("<arg_key>", 1)[0].strip()
-            if not name:
+            if not NAME_PATTERN.match(name):
                 return text, []
             args = {k.strip(): _glm_value(v) for k, v in self._ARG.findall(body)}
             calls.append(ToolCall(name, dumps(args)))
@@ -269,8 +269,8 @@ THINKING_FORMATS = frozenset({"qwen3", "glm45"})
 
 
 def format_for(model_type: str | None, vocabulary: Callable[[str], bool]) -> ToolFormat:
-    """The format of a checkpoint: by `model_type`, with Kimi K2 (whose configs say `deepseek_v3` or
-    `kimi_k2`) recognised by its tool-call section token."""
-    if vocabulary("<|tool_calls_section_begin|>"):
+    """The format of a checkpoint, by its `model_type`. Kimi K2 checkpoints say `kimi_k2` or reuse
+    DeepSeek V3's `deepseek_v3`; the latter are told apart by Kimi's tool-call section token."""
+    if model_type == "deepseek_v3" and vocabulary("<|tool_calls_section_begin|>"):
         return FORMATS["kimi_k2"]
     return FORMATS[_BY_MODEL_TYPE.get(model_type or "", "json")]

@@ -35,6 +35,7 @@ class AnswerParser:
         self._state = "think" if in_reasoning else ("start" if reasoning else "content")
         self._buffer = ""
         self._calls_text = ""
+        self._after_reasoning = False  # whitespace between `</think>` and the content is dropped
 
     def feed(self, text: str) -> Parts:
         self._buffer += text
@@ -76,14 +77,17 @@ class AnswerParser:
         end = self._buffer.find(THINK_CLOSE)
         if end >= 0:
             parts.reasoning += self._buffer[:end]
-            self._buffer = self._buffer[end + len(THINK_CLOSE) :].lstrip()
-            self._state = "content"
+            self._buffer = self._buffer[end + len(THINK_CLOSE) :]
+            self._state, self._after_reasoning = "content", True
             return
         keep = _partial_suffix(self._buffer, THINK_CLOSE)
         parts.reasoning += self._buffer[: len(self._buffer) - keep]
         self._buffer = self._buffer[len(self._buffer) - keep :]
 
     def _take_content(self) -> str:
+        if self._after_reasoning:
+            self._buffer = self._buffer.lstrip()
+            self._after_reasoning = not self._buffer
         if self._tools is None:
             out, self._buffer = self._buffer, ""
             return out
@@ -92,11 +96,12 @@ class AnswerParser:
             return self._take_json_content()
         start = self._buffer.find(opener)
         if start >= 0:
-            out, self._buffer = self._buffer[:start], self._buffer[start:]
+            out, self._buffer = self._buffer[:start].rstrip(), self._buffer[start:]
             self._state = "calls"
             return out
-        keep = _partial_suffix(self._buffer, opener)
-        out, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep :]
+        # Held back: a suffix that may begin the opener, and whitespace before it (dropped if a call follows).
+        ready = self._buffer[: len(self._buffer) - _partial_suffix(self._buffer, opener)].rstrip()
+        out, self._buffer = ready, self._buffer[len(ready) :]
         return out
 
     def _take_json_content(self) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 from edgeinfer.structured.grammar import GrammarError, json_schema_grammar
 
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 AUTO, NONE, REQUIRED = "auto", "none", "required"
 
 
@@ -83,7 +83,7 @@ def _tool(index: int, item: Any) -> Tool:
     if not isinstance(function, dict):
         raise ValueError(f"{where}.function must be an object")
     name = function.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
         raise ValueError(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-'")
     params = function.get("parameters") or {"type": "object", "properties": {}}
     if not isinstance(params, dict):
