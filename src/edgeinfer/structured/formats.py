@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from edgeinfer.structured.grammar import inline_json
 from edgeinfer.structured.tools import NAME_PATTERN, Tool, ToolCall, ToolChoice, dumps
 
 TokenRef = Callable[[str], str]
@@ -93,7 +94,7 @@ class JsonFormat(ToolFormat):
         }
         array.update(minItems=1, **({} if parallel else {"maxItems": 1}))
         schema = {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"]}
-        return f"start: %json {json.dumps({**schema, 'additionalProperties': False})}"
+        return f"start: {inline_json({**schema, 'additionalProperties': False})}"
 
     @staticmethod
     def render_calls(calls: list[dict[str, Any]]) -> str:
@@ -122,9 +123,7 @@ class Llama3Format(ToolFormat):
 
     def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool, token: TokenRef) -> str:
         # The format has one call per assistant turn: `parallel` cannot be honoured.
-        return (
-            f"start: %json {json.dumps(_any_call_schema(self.callable_tools(tools, choice), 'parameters'))}"
-        )
+        return f"start: {inline_json(_any_call_schema(self.callable_tools(tools, choice), 'parameters'))}"
 
 
 class Qwen3Format(ToolFormat):
@@ -149,11 +148,10 @@ class Qwen3Format(ToolFormat):
         return (text[:start].rstrip(), calls) if calls else (text, [])
 
     def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool, token: TokenRef) -> str:
-        schema = json.dumps(_any_call_schema(self.callable_tools(tools, choice), "arguments"))
+        schema = inline_json(_any_call_schema(self.callable_tools(tools, choice), "arguments"))
         more = ' ("\\n" call)*' if parallel else ""
         return (
-            f"start: call{more}\n"
-            f'call: {token("<tool_call>")} "\\n" %json {schema} "\\n" {token("</tool_call>")}\n'
+            f'start: call{more}\ncall: {token("<tool_call>")} "\\n" {schema} "\\n" {token("</tool_call>")}\n'
         )
 
 
@@ -184,16 +182,16 @@ class Glm45Format(ToolFormat):
         rules = [f"start: call{more}", "call: " + " | ".join(f"call_{i}" for i in range(len(callable_)))]
         open_, close = token("<tool_call>"), token("</tool_call>")
         for i, tool in enumerate(callable_):
-            args = " ".join(self._arg(tool, key, schema) for key, schema in _properties(tool))
+            args = " ".join(self._arg(tool, key, schema, token) for key, schema in _properties(tool))
             rules.append(f"call_{i}: {open_} {literal(tool.name + chr(10))} {args} {close}")
         return "\n".join(rules) + "\n"
 
     @staticmethod
-    def _arg(tool: Tool, key: str, schema: dict[str, Any]) -> str:
+    def _arg(tool: Tool, key: str, schema: dict[str, Any], token: TokenRef) -> str:
         # Properties in declared order; optional ones may be left out.
-        value = _glm_string(schema) if schema.get("type") == "string" else f"%json {json.dumps(schema)}"
-        head = literal(f"<arg_key>{key}</arg_key>\n<arg_value>")
-        item = f"({head} {value} {literal('</arg_value>' + chr(10))})"
+        value = _glm_string(schema) if schema.get("type") == "string" else inline_json(schema)
+        head = f'{token("<arg_key>")} {literal(key)} {token("</arg_key>")} "\\n" {token("<arg_value>")}'
+        item = f'({head} {value} {token("</arg_value>")} "\\n")'
         return item if key in tool.parameters.get("required", []) else item + "?"
 
 
@@ -246,7 +244,7 @@ class KimiK2Format(ToolFormat):
         rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(callable_))))
         for i, tool in enumerate(callable_):
             head = f"{token('<|tool_call_begin|>')} {literal(f'functions.{tool.name}:')} /[0-9]{{1,2}}/"
-            args = f"{token('<|tool_call_argument_begin|>')} %json {json.dumps(tool.parameters)}"
+            args = f"{token('<|tool_call_argument_begin|>')} {inline_json(tool.parameters)}"
             rules.append(f"call_{i}: {head} {args} {token('<|tool_call_end|>')}")
         return "\n".join(rules) + "\n"
 

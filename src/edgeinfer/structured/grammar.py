@@ -35,6 +35,11 @@ def json_schema_grammar(schema: Any) -> str:
     return checked(grammar, "JSON schema")
 
 
+def inline_json(schema: dict[str, Any]) -> str:
+    """A schema inlined in Lark (`%json {...}`), with our JSON layout (its `x-guidance` options)."""
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+
+
 def lark_grammar(text: str) -> str:
     """The grammar of a Lark text (llguidance's dialect: `%json {...}` inlines a schema, `<[id]>` a token)."""
     return checked(llguidance.LLMatcher.grammar_from_lark(text), "grammar")
