@@ -165,8 +165,9 @@ def render(rows, compile_stats, vocab_ready, loads, args) -> str:
     s = compile_stats
     lines += [
         "",
-        f"Compile: llguidance's view of the 262,144-entry vocabulary takes {vocab_ready:.1f} s to build, once "
-        "per engine, on a background thread from engine start (constrained requests wait for it). Per schema "
+        "Compile: llguidance's view of the 262,144-entry vocabulary takes "
+        f"{vocab_ready:.1f} s to build, once per engine, on a background thread from engine start "
+        "(constrained requests wait for it). Per schema "
         f"({s['schemas']} schemas): schema → grammar median {s['grammar_median']:.2f} ms (max "
         f"{s['grammar_max']:.2f}), grammar → matcher median {s['matcher_median']:.2f} ms (max "
         f"{s['matcher_max']:.2f}).",
