@@ -151,6 +151,11 @@ def test_template_kwargs_reach_the_template(hf_base: PreTrainedTokenizerFast) ->
     off = tok.apply_chat_template(CHATS["plain"], template_kwargs={"enable_thinking": False})
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert tok.apply_chat_template(CHATS["plain"]).endswith("<|im_start|>assistant\n")
+    # a client's kwargs cannot replace the conversation or the special tokens
+    clash = {"messages": [], "add_generation_prompt": False, "eos_token": "EVIL"}
+    assert tok.apply_chat_template(CHATS["plain"], template_kwargs=clash) == tok.apply_chat_template(
+        CHATS["plain"]
+    )
 
 
 @pytest.mark.parametrize(

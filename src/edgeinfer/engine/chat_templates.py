@@ -103,7 +103,8 @@ def render_template(
 ) -> str:
     """Render a chat template; a template that rejects the messages (its `raise_exception`) or fails to
     parse raises ValueError."""
-    variables = {**(extra or {}), **special_tokens}
+    reserved = {"messages", "tools", "documents", "add_generation_prompt", *special_tokens}
+    variables = {**{k: v for k, v in (extra or {}).items() if k not in reserved}, **special_tokens}
     try:
         return compile_template(text).render(
             messages=messages,

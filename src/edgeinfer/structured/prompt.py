@@ -2,7 +2,7 @@
 
 The tool list and the answer form go into the system message; earlier calls are written back as the
 assistant's JSON answers and tool results as user turns (`Tool result (name): ...`), merged with a
-neighbouring user turn so that strict alternation (Gemma's) holds.
+neighbouring user turn so that strict alternation (Gemma's) holds. Other messages pass unchanged.
 """
 
 from __future__ import annotations
