@@ -228,3 +228,25 @@ def test_sdk_pydantic_tool_helper(client: openai.OpenAI) -> None:
     )
     call = completion.choices[0].message.tool_calls[0]
     assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+def test_fields_pass_through_an_upstream_member(upstream_node: str, node_factory: Any) -> None:
+    """A node whose model is another edgeinfer passes response_format and tools on and the calls back."""
+    node = node_factory({}, upstreams={"far": upstream_node + "/v1"})
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0)
+    pick = {"type": "json_schema", "json_schema": {"name": "pick", "schema": {"enum": ["left", "right"]}}}
+    answer = client.chat.completions.create(model="far", messages=ASK, response_format=pick, max_tokens=16)
+    assert json.loads(answer.choices[0].message.content) in ("left", "right")
+    for stream in (False, True):
+        reply = client.chat.completions.create(
+            model="far", messages=ASK, tools=TOOLS[1:], parallel_tool_calls=False, max_tokens=64, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_time"}}, stream=stream,
+        )  # fmt: skip
+        if stream:
+            chunks = [c for c in reply if c.choices]
+            calls = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            calls, finish = reply.choices[0].message.tool_calls, reply.choices[0].finish_reason
+        assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_time"]
+        assert json.loads(calls[0].function.arguments) == {}

@@ -21,7 +21,7 @@ from edgeinfer.engine.chat_messages import normalize_messages
 from edgeinfer.engine.chat_templates import builtin_template, handles_tools, render_template
 from edgeinfer.engine.model.loader import Checkpoint, CheckpointError
 from edgeinfer.engine.model.loader.errors import one_line
-from edgeinfer.structured.formats import THINKING_FORMATS, format_for
+from edgeinfer.structured.formats import FORMATS, THINKING_FORMATS, format_for
 from edgeinfer.structured.prompt import json_form_messages
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,12 @@ class Tokenizer:
         self.bos_token_id: int | None = hf.bos_token_id
         self.pad_token_id: int | None = hf.pad_token_id
         lookup = _token_id(hf)
-        # The family's tool-call format (parser and forcing grammar), and whether answers may open with
-        # a reasoning block.
-        self.tool_format = format_for(model_type, lambda text: lookup(text) is not None)
-        self.reasons = self.tool_format.name in THINKING_FORMATS
+        # The family's tool-call format (parser and forcing grammar), and whether answers may open with a
+        # reasoning block. A template without a place for tools prompts for the JSON form, so it is parsed.
+        family = format_for(model_type, lambda text: lookup(text) is not None)
+        template = hf.chat_template if isinstance(hf.chat_template, str) else None
+        self.tool_format = family if template and handles_tools(template) else FORMATS["json"]
+        self.reasons = family.name in THINKING_FORMATS
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> Tokenizer:
