@@ -239,8 +239,8 @@ def test_fields_pass_through_an_upstream_member(upstream_node: str, node_factory
     assert json.loads(answer.choices[0].message.content) in ("left", "right")
     for stream in (False, True):
         reply = client.chat.completions.create(
-            model="far", messages=ASK, tools=TOOLS[1:], parallel_tool_calls=False, max_tokens=64, temperature=0,
-            tool_choice={"type": "function", "function": {"name": "get_time"}}, stream=stream,
+            model="far", messages=ASK, tools=TOOLS[1:], parallel_tool_calls=False, max_tokens=64,
+            temperature=0, tool_choice={"type": "function", "function": {"name": "get_time"}}, stream=stream,
         )  # fmt: skip
         if stream:
             chunks = [c for c in reply if c.choices]
