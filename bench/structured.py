@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from docs_table import replace_section  # noqa: E402
 from offline_throughput import machine  # noqa: E402
+from structured_peer import peer_rows  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -118,6 +119,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--peer", action="store_true", help="also measure llama.cpp's llama-server (bench/peers.py)"
+    )
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -137,31 +141,38 @@ def main() -> None:
             free.append(run(engine, c, args.max_tokens, None))
             constrained.append(run(engine, c, args.max_tokens, grammar))
         rows.append((c, free, constrained))
-    table = render(rows, compile_stats, vocab_ready, (load_before, os.getloadavg()[0]), args)
+    peer = []
+    if args.peer:
+        gguf = engine.checkpoint.gguf_path
+        del engine  # the peer gets the cores to itself
+        peer = peer_rows(gguf, QUESTIONS, SCHEMA, args.concurrency, args.max_tokens, args.repeats)
+    table = render(rows, peer, compile_stats, vocab_ready, (load_before, os.getloadavg()[0]), args)
     print(table)
     if args.write_docs:
         replace_section(ROOT / "docs" / "benchmarks.md", "structured-outputs", table)
 
 
-def render(rows, compile_stats, vocab_ready, loads, args) -> str:
+def render(rows, peer, compile_stats, vocab_ready, loads, args) -> str:
     lines = [
         "### Structured outputs: TPOT with a JSON schema vs unconstrained, Gemma 3 270M (bf16)",
         "",
         f"Machine: {machine()}; 1-min load average {loads[0]:.1f} before, {loads[1]:.1f} after (a shared "
         "2-core machine: other sessions were running). Command: `.venv/bin/python bench/structured.py "
         f"--concurrency {' '.join(map(str, args.concurrency))} --max-tokens {args.max_tokens} "
-        f"--repeats {args.repeats} --threads {args.threads} --write-docs`. Greedy; the schema is an array of "
+        f"--repeats {args.repeats} --threads {args.threads}{' --peer' if args.peer else ''} --write-docs`. "
+        "Greedy; the schema is an array of "
         "six {name, field, born} objects; unconstrained requests ignore EOS. Each cell: mean TPOT of the "
         "run's requests, runs interleaved free / JSON.",
         "",
-        "| concurrency | free TPOT ms | JSON TPOT ms | JSON / free (means) | JSON / free per pair, median |",
-        "|---|---|---|---|---|",
+        "| system | concurrency | free TPOT ms | JSON TPOT ms | JSON / free (means) | median pair ratio |",
+        "|---|---|---|---|---|---|",
     ]
-    for c, free, constrained in rows:
-        f_ms = statistics.mean(v for v, _ in free)
-        j_ms = statistics.mean(v for v, _ in constrained)
-        pairs = statistics.median(j / f for (f, _), (j, _) in zip(free, constrained, strict=True))
-        lines.append(f"| {c} | {f_ms:.1f} | {j_ms:.1f} | {j_ms / f_ms:.3f} | {pairs:.3f} |")
+    ours = [(c, [v for v, _ in f], [v for v, _ in j]) for c, f, j in rows]
+    for system, table_rows in (("edgeinfer (bf16)", ours), ("llama.cpp llama-server (Q4_K_M, GBNF)", peer)):
+        for c, free, constrained in table_rows:
+            f_ms, j_ms = statistics.mean(free), statistics.mean(constrained)
+            pairs = statistics.median(j / f for f, j in zip(free, constrained, strict=True))
+            lines.append(f"| {system} | {c} | {f_ms:.1f} | {j_ms:.1f} | {j_ms / f_ms:.3f} | {pairs:.3f} |")
     s = compile_stats
     lines += [
         "",
