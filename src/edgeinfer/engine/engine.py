@@ -160,6 +160,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
+        result.feed_grammar(self.runner.grammar)
         now = self.clock()
         outputs = []
         for rid, message in result.errors.items():

@@ -24,6 +24,16 @@ class RunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     grammar_done: set[str] = field(default_factory=set)  # requests whose grammar completed with this token
 
+    def feed_grammar(self, grammar: GrammarRuntime | None) -> None:
+        """Advance the constrained requests' matchers by this step's tokens, once per step (never inside
+        `execute`, which may be run again for the same step); a rejected token fails its request."""
+        if grammar is None or not grammar.active:
+            return
+        self.grammar_done, errors = grammar.consume(self.tokens)
+        for rid in errors:
+            self.tokens.pop(rid, None)
+        self.errors.update(errors)
+
 
 class ModelRunner:
     def __init__(
@@ -69,11 +79,6 @@ class ModelRunner:
             masks = pending_masks.result() if pending_masks is not None else None
             res = self.sampler.sample(logits, inp.sample_chunks, masks)
             out.tokens, out.logprobs, out.errors = res.tokens, res.logprobs, res.errors
-            if self.grammar is not None:
-                out.grammar_done, errors = self.grammar.consume(out.tokens)
-                for rid in errors:
-                    out.tokens.pop(rid, None)
-                out.errors.update(errors)
         if inp.prompt_logprob_rows:
             out.prompt_logprobs = self._prompt_logprobs(hidden, inp)
         return out
