@@ -162,7 +162,9 @@ def render(rows, peer, compile_stats, vocab_ready, loads, args) -> str:
         f"--repeats {args.repeats} --threads {args.threads}{' --peer' if args.peer else ''} --write-docs`. "
         "Greedy; the schema is an array of "
         "six {name, field, born} objects; unconstrained requests ignore EOS. Each cell: mean TPOT of the "
-        "run's requests, runs interleaved free / JSON.",
+        "run's requests, runs interleaved free / JSON. With `--peer`, llama-server serves the same GGUF in "
+        "its own Q4_K_M kernels (ours dequantizes it to bf16) after our runs: compare the ratios, not the "
+        f"absolute TPOTs. Measured {time.strftime('%Y-%m-%d')}.",
         "",
         "| system | concurrency | free TPOT ms | JSON TPOT ms | JSON / free (means) | median pair ratio |",
         "|---|---|---|---|---|---|",
