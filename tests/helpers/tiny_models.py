@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,10 +166,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny(family: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
+def make_tiny(
+    family: str,
+    path: Path,
+    seed: int = 0,
+    tokenizer_builder: Callable[[Path], PreTrainedTokenizerFast] = build_tokenizer,
+    **overrides: Any,
+) -> Path:
     """Write a random tiny `family` checkpoint (fp32 safetensors + tokenizer) into `path`."""
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(path)
+    tokenizer = tokenizer_builder(path)
     fields = {**_BASE, "vocab_size": len(tokenizer), **FAMILIES[family], **overrides}
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields)

@@ -221,3 +221,12 @@ def upstream_node(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str)
         "0",
     )
     procs.stop()
+
+
+@pytest.fixture(scope="module")
+def module_node_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeFactory]:
+    """Nodes shared by one module's tests (stopped after the module)."""
+    factory = NodeFactory(tmp_path_factory.mktemp("module-node"))
+    yield factory
+    for server in factory.servers:
+        server.stop()

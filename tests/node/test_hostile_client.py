@@ -64,8 +64,22 @@ def test_seeds_outside_the_engine_range_never_reach_it(shared_node) -> None:
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a\ud800"}]}, 422),
         (WAI, {"prompt": "a\udfff", "max_tokens": 2}, 422),
         (WAI, {"messages": [], "max_tokens": 2}, 422),
-        (WAI, {"messages": [{"role": "tool", "content": "x"}], "max_tokens": 2}, 400),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400),
+        (
+            WAI,
+            {
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                "max_tokens": 2,
+            },
+            400,
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            },
+            400,
+        ),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": True}, 422),
         (WAI, {"prompt": "x", "max_tokens": True}, 422),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "n": "2"}, 422),
@@ -79,12 +93,12 @@ def test_bad_input_is_a_4xx_in_the_route_shape(shared_node, path: str, body: dic
     assert _error_message(r, path)
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", WAI])
 @pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("response_format", {"type": "json_object"}),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("path", "field", "value"),
+    [(path, "response_format", {"type": "xml"}) for path in ("/v1/chat/completions", "/v1/completions", WAI)]
+    + [
+        (path, "tools", [{"type": "function", "function": {"name": "f"}}])
+        for path in ("/v1/completions", WAI)
     ],
 )
 def test_every_route_refuses_what_it_cannot_honour(shared_node, path: str, field: str, value) -> None:

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from tokenizer_files import write_bpe_checkpoint
 
-from edgeinfer.engine.chat_templates import gemma_chat, generic_chat, normalize_messages
+from edgeinfer.engine.chat_messages import normalize_messages
+from edgeinfer.engine.chat_templates import gemma_chat, generic_chat
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.tokenizer import Tokenizer
 
@@ -32,7 +33,7 @@ def test_normalizes_content_parts() -> None:
         ([], "non-empty list"),
         ("hello", "non-empty list"),
         (["hello"], r"messages\[0\] must be an object"),
-        ([{"role": "tool", "content": "x"}], r"messages\[0\]\.role must be one of system, user, assistant"),
+        ([{"role": "robot", "content": "x"}], r"role must be one of system, user, assistant, tool"),
         ([{"role": "user"}], r"messages\[0\]\.content must be a string or a list of text parts"),
         ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"content\[0\] must be"),

@@ -1,62 +1,125 @@
-"""Chat prompts: validating messages, the checkpoint's own template when it has one, built-in formats else.
+"""Chat prompts: the checkpoint's own Jinja template, rendered in a sandbox, or a built-in format for
+checkpoints without one.
 
-Messages are normalized before any template sees them: content becomes one string (text parts joined by a
-newline), so every template, ours or the checkpoint's, gets the same shape whatever the client sent.
+Templates come with downloaded checkpoints and are untrusted code: they run in Jinja's immutable sandbox
+(no attribute access to internals, no mutation of the inputs), with the same environment transformers
+gives them — `trim_blocks`, `lstrip_blocks`, loop controls, a `tojson` that does not escape HTML, and the
+globals `raise_exception`, `strftime_now`, `namespace` and `dict` — so a template renders here exactly as
+`apply_chat_template` renders it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import json
+from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
-from jinja2 import TemplateError
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-ROLES = ("system", "user", "assistant")
+from edgeinfer.engine.chat_messages import Message
 
-Message = dict[str, str]
-
-
-def normalize_messages(messages: Any) -> list[Message]:
-    """Validate OpenAI-style chat messages into `[{"role", "content": str}]`; bad input raises ValueError."""
-    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} objects")
-    return [_normalize_one(i, message) for i, message in enumerate(messages)]
+TEMPLATE_ERRORS = (jinja2.TemplateError,)
 
 
-def _normalize_one(index: int, message: Any) -> Message:
-    if not isinstance(message, dict):
-        raise ValueError(
-            f"messages[{index}] must be an object with role and content, got {type(message).__name__}"
-        )
-    role = message.get("role")
-    if role not in ROLES:
-        raise ValueError(f"messages[{index}].role must be one of {', '.join(ROLES)}, got {role!r}")
-    return {"role": role, "content": _content_text(index, message.get("content"))}
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (marks trainable assistant text in some templates): the
+    body renders unchanged."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja's declared class attribute)
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Callable[[], str]) -> str:
+        return caller()
 
 
-def _content_text(index: int, content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ValueError(f"messages[{index}].content[{j}] must be {{'type': 'text', 'text': <string>}}")
-        texts.append(part["text"])
-    return "\n".join(texts)
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` whose attributes cannot be dunder names (no route to interpreter internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"templates may not set attribute {name!r}")
 
 
-def render_with_checkpoint_template(
-    hf_tokenizer: Any, messages: list[Message], add_generation_prompt: bool
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
 ) -> str:
-    """Render with the checkpoint's own jinja template (transformers' sandboxed renderer)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@functools.lru_cache(maxsize=16)
+def compile_template(text: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(
+        raise_exception=_raise,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        namespace=_Namespace,
+        dict=lambda *a, **k: dict(*a, **k),
+    )
+    return env.from_string(text)
+
+
+def render_template(
+    text: str,
+    messages: list[Message],
+    *,
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    special_tokens: dict[str, str],
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """Render a chat template; a template that rejects the messages (its `raise_exception`) or fails to
+    parse raises ValueError."""
+    reserved = {"messages", "tools", "documents", "add_generation_prompt", *special_tokens}
+    variables = {**{k: v for k, v in (extra or {}).items() if k not in reserved}, **special_tokens}
     try:
-        return hf_tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        return compile_template(text).render(
+            messages=messages,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
         )
-    except TemplateError as exc:  # the template's own raise_exception(), e.g. roles not alternating
+    except jinja2.TemplateError as exc:
         raise ValueError(f"chat template rejected the messages: {exc}") from exc
+
+
+def handles_tools(text: str) -> bool:
+    """Whether a template writes tool definitions itself (else tools go into a system preamble)."""
+    return "tools" in text
 
 
 def gemma_chat(messages: list[Message], add_generation_prompt: bool, bos_token: str) -> str:

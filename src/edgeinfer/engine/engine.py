@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, resolve_dtype
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
+from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.runner import ModelRunner, RunnerOutput
 from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from edgeinfer.engine.tokenizer import Tokenizer
@@ -78,8 +80,16 @@ class LLMEngine:
             config.scheduling_policy,
         )
         self.scheduler = Scheduler(sched_cfg, kv, clock)
+        guidance = LazyGuidanceTokenizer(
+            self.tokenizer.hf, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids
+        )
         self.runner = ModelRunner(
-            self.model, storage, self.device, vocab_limit=self.tokenizer.vocab_size, compile=config.compile
+            self.model,
+            storage,
+            self.device,
+            vocab_limit=self.tokenizer.vocab_size,
+            compile=config.compile,
+            guidance_tokenizer=guidance,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -116,6 +126,7 @@ class LLMEngine:
     def add_request(self, request: EngineRequest) -> str:
         self.validate(request)
         req = Request.from_engine_request(request, self.tokenizer.eos_token_ids, self.clock())
+        matcher = self._matcher(request.sampling.grammar)
         # Output state first: a request the scheduler holds must always have one, or every step would fail.
         self.outputs.add(req, request.arrival_time)
         try:
@@ -123,7 +134,22 @@ class LLMEngine:
         except ValueError as e:
             self.outputs.drop(req.request_id)
             raise EngineInputError(str(e)) from None
+        if matcher is not None:
+            self.grammar.add(request.request_id, matcher)
         return request.request_id
+
+    @property
+    def grammar(self) -> GrammarRuntime:
+        assert self.runner.grammar is not None
+        return self.runner.grammar
+
+    def _matcher(self, grammar: str | None) -> Any:
+        if grammar is None:
+            return None
+        try:
+            return self.grammar.new_matcher(grammar)
+        except ValueError as e:
+            raise EngineInputError(str(e)) from None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
@@ -139,6 +165,8 @@ class LLMEngine:
         those of a step without it."""
         sched = self.scheduler.schedule()
         result = self._execute(sched)
+        # Fed once, after the step and any isolation re-runs: a re-run never advances a matcher twice.
+        result.feed_grammar(self.runner.grammar)
         now = self.clock()
         outputs = []
         for rid, message in result.errors.items():
@@ -150,7 +178,8 @@ class LLMEngine:
         for rid, lps in result.prompt_logprobs.items():
             self.outputs.add_prompt_logprobs(rid, lps)
         for req in self.scheduler.update(sched, result.tokens):
-            outputs.append(self._token_output(req, result.logprobs.get(req.request_id), now))
+            grammar_done = req.request_id in result.grammar_done
+            outputs.append(self._token_output(req, result.logprobs.get(req.request_id), grammar_done, now))
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -172,7 +201,9 @@ class LLMEngine:
         result.errors.update(errors)
         return result
 
-    def _token_output(self, req: Request, logprob: TokenLogprob | None, now: float) -> RequestOutput:
+    def _token_output(
+        self, req: Request, logprob: TokenLogprob | None, grammar_done: bool, now: float
+    ) -> RequestOutput:
         """Decode the request's new token (stop strings included); an exception there fails it alone."""
         try:
             if self.outputs.on_token(req, logprob, now):
@@ -180,6 +211,8 @@ class LLMEngine:
                     req.finish_reason = FinishReason.STOP  # the stop string came with the last token
                 else:
                     self.scheduler.finish(req.request_id, FinishReason.STOP)
+            elif grammar_done and not req.is_finished:
+                self.scheduler.finish(req.request_id, FinishReason.STOP)  # nothing may follow but EOS
             return self.outputs.make_output(req, now)
         except Exception:
             log.exception("decoding the output of request %s failed", req.request_id)

@@ -43,7 +43,7 @@ class OutputProcessor:
         s = req.sampling
         self.states[req.request_id] = OutputState(
             request_id=req.request_id,
-            detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+            detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, s.skip_special_tokens),
             stop=list(s.stop),
             include_stop=s.include_stop_str_in_output,
             timeline=Timeline(arrival=arrival),
@@ -83,7 +83,10 @@ class OutputProcessor:
         if logprob is not None:
             st.pending_logprobs.append(logprob)
         before = len(st.text)
-        st.text += st.detok.add(req.output_token_ids[-1:])
+        token = req.output_token_ids[-1]
+        if req.is_finished and token in req.eos_token_ids:
+            return False  # end of turn: not text, even when special tokens are kept in the text
+        st.text += st.detok.add([token])
         if not st.stop:
             return False
         start = max(0, before - st.holdback)

@@ -17,13 +17,12 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from edgeinfer.engine.chat_templates import (
-    builtin_template,
-    normalize_messages,
-    render_with_checkpoint_template,
-)
+from edgeinfer.engine.chat_messages import normalize_messages
+from edgeinfer.engine.chat_templates import builtin_template, handles_tools, render_template
 from edgeinfer.engine.model.loader import Checkpoint, CheckpointError
 from edgeinfer.engine.model.loader.errors import one_line
+from edgeinfer.structured.formats import FORMATS, THINKING_FORMATS, format_for
+from edgeinfer.structured.prompt import json_form_messages
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +45,13 @@ class Tokenizer:
         self.vocab_size: int = len(hf)
         self.bos_token_id: int | None = hf.bos_token_id
         self.pad_token_id: int | None = hf.pad_token_id
+        lookup = _token_id(hf)
+        # The family's tool-call format (parser and forcing grammar), and whether answers may open with a
+        # reasoning block. A template without a place for tools prompts for the JSON form, so it is parsed.
+        family = format_for(model_type, lambda text: lookup(text) is not None)
+        template = hf.chat_template if isinstance(hf.chat_template, str) else None
+        self.tool_format = family if template and handles_tools(template) else FORMATS["json"]
+        self.reasons = family.name in THINKING_FORMATS
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> Tokenizer:
@@ -80,12 +86,37 @@ class Tokenizer:
         self._check_ids([token_id])
         return self.hf.convert_ids_to_tokens(int(token_id))
 
-    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True) -> str:
-        """Render chat messages to a prompt string (with the model's own template when it has one)."""
+    def apply_chat_template(
+        self,
+        messages: Any,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """Render chat messages (and OpenAI-shaped `tools`) to a prompt string, with the checkpoint's own
+        template when it has one. A template without a place for tools (and the built-in formats) gets
+        them in the JSON tool form of `edgeinfer.structured.prompt`."""
         normalized = normalize_messages(messages)
-        if self.hf.chat_template:
-            return render_with_checkpoint_template(self.hf, normalized, add_generation_prompt)
-        return self._template(normalized, add_generation_prompt, self.hf.bos_token or "")
+        template = self.hf.chat_template if isinstance(self.hf.chat_template, str) else None
+        if template is None or not handles_tools(template):
+            normalized = json_form_messages(normalized, tools)
+            tools = None
+        if template is None:
+            return self._template(normalized, add_generation_prompt, self.hf.bos_token or "")
+        specials = {k: str(v) for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        return render_template(
+            template,
+            normalized,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=specials,
+            extra=template_kwargs,
+        )
+
+    def token_ref(self, text: str) -> str:
+        """`text` in llguidance's Lark: as its single token when the vocabulary has one, else literally."""
+        token_id = _token_id(self.hf)(text)
+        return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
 
     def _check_ids(self, ids: Iterable[int]) -> None:
         bad = [i for i in ids if not 0 <= int(i) < self.vocab_size]

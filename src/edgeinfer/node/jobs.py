@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgeinfer.obs.timing import LatencyBreakdown
+from edgeinfer.structured.tools import ToolChoice
 from edgeinfer.types import SamplingParams, Usage
 
 COMPLETION = "completion"
@@ -29,12 +30,15 @@ class LogprobEntry:
 
 @dataclass
 class ChoiceDelta:
-    """New text (and its logprobs) of one choice; `finish_reason` set on its last delta."""
+    """New text (and its logprobs) of one choice; `finish_reason` set on its last delta. Chat answers may
+    also carry reasoning text and tool calls (OpenAI-shaped, each with its `index`)."""
 
     index: int
     text: str = ""
     logprobs: list[LogprobEntry] | None = None
     finish_reason: str | None = None
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -55,7 +59,11 @@ class Job:
     max_tokens_explicit: bool
     arrival: float
     prompts: list[str | list[int]] = field(default_factory=list)
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI-shaped, validated
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
     n: int = 1
     echo: bool = False
     logprobs: int | None = None

@@ -15,6 +15,9 @@ from edgeinfer.node.jobs import CHAT, Backend, ChoiceDelta, Job, LogprobEntry, O
 from edgeinfer.obs.canary import DEGENERATE_REPETITION, NONFINITE_LOGITS, is_degenerate_repetition
 from edgeinfer.obs.timing import LatencyBreakdown
 from edgeinfer.pool.member import LocalMember
+from edgeinfer.structured.grammar import GrammarError, lark_grammar
+from edgeinfer.structured.stream import THINK_OPEN, AnswerParser, Parts
+from edgeinfer.structured.tools import Tool
 from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
 from edgeinfer.types.sampling import choice_seed
 
@@ -34,6 +37,8 @@ class _Choice:
     last_token_at: float | None = None
     usage: Usage | None = None  # cumulative, from the latest engine output
     token_ids: list[int] = dataclasses.field(default_factory=list)
+    parser: AnswerParser | None = None  # chat answers: reasoning / content / tool calls
+    num_calls: int = 0
 
 
 class LocalBackend(Backend):
@@ -55,10 +60,13 @@ class LocalBackend(Backend):
         prompts = self._tokenize(job)
         ctx = self._member.max_model_len
         reserve = 0
+        tool_fields = self._tool_sampling(job)
         for p, (ids, text) in enumerate(prompts):
             max_tokens = self._max_tokens(job, len(ids), ctx)
             echo_logprobs = job.logprobs if job.echo else None
-            sampling = _replace(job.sampling, max_tokens=max_tokens, prompt_logprobs=echo_logprobs)
+            sampling = _replace(
+                job.sampling, max_tokens=max_tokens, prompt_logprobs=echo_logprobs, **tool_fields
+            )
             for i in range(job.n):
                 request = EngineRequest(
                     request_id=f"{job.request_id}-{p * job.n + i}",
@@ -69,15 +77,42 @@ class LocalBackend(Backend):
                     arrival_time=job.arrival,
                     cache_namespace=self._namespace,
                 )
-                self._choices.append(_Choice(request, text))
+                self._choices.append(_Choice(request, text, parser=self._parser(job, text)))
             reserve += len(ids) + job.n * max_tokens
         return reserve
+
+    def _tool_sampling(self, job: Job) -> dict[str, Any]:
+        """With tools, special tokens stay in the text (calls are marked with them); a forced choice
+        constrains the answer to the family's call format with the tools' argument schemas."""
+        if not job.tools:
+            return {}
+        fields: dict[str, Any] = {"skip_special_tokens": False}
+        if job.tool_choice.forced:
+            tools = [Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in job.tools]
+            fmt = self._tokenizer.tool_format
+            try:
+                lark = fmt.grammar(tools, job.tool_choice, job.parallel_tool_calls, self._tokenizer.token_ref)
+                fields["grammar"] = lark_grammar(lark)
+            except GrammarError as exc:
+                raise bad_request(
+                    f"tools cannot be forced in the {fmt.name} format: {exc}", "tools"
+                ) from None
+        return fields
+
+    def _parser(self, job: Job, prompt: str) -> AnswerParser | None:
+        tok = self._tokenizer
+        if job.kind != CHAT or not (job.tools or tok.reasons):
+            return None
+        opened = tok.reasons and prompt.rstrip().endswith(THINK_OPEN)  # the template opened the block
+        return AnswerParser(tok.tool_format if job.tools else None, tok.reasons, in_reasoning=opened)
 
     def _tokenize(self, job: Job) -> list[tuple[list[int], str]]:
         tok = self._tokenizer
         if job.kind == CHAT:
             try:
-                text = tok.apply_chat_template(job.messages, add_generation_prompt=True)
+                text = tok.apply_chat_template(
+                    job.messages, True, tools=job.tools or None, template_kwargs=job.template_kwargs
+                )
             except ValueError as exc:  # messages the template refuses (roles, order, emptiness)
                 raise bad_request(str(exc), "messages") from None
             # The chat template already holds the special tokens (BOS) the model expects.
@@ -179,9 +214,27 @@ class LocalBackend(Backend):
             self._observe_tokens(choice, out.new_token_ids, now, job, outcome)
         logprobs = self._entries(out.logprobs) if job.logprobs is not None else None
         finish = self._finish(job, index, out, outcome, now) if out.finished else None
-        if out.text_delta or logprobs or finish:
-            deltas.append(ChoiceDelta(index, out.text_delta, logprobs, finish))
+        delta = self._parsed(choice, index, out.text_delta, out.finished)
+        delta.logprobs, delta.finish_reason = logprobs, finish
+        if delta.tool_calls and finish == "stop":
+            delta.finish_reason = "tool_calls"
+        if delta.text or delta.reasoning or delta.tool_calls or logprobs or finish:
+            deltas.append(delta)
         return deltas
+
+    @staticmethod
+    def _parsed(choice: _Choice, index: int, text: str, finished: bool) -> ChoiceDelta:
+        if choice.parser is None:
+            return ChoiceDelta(index, text)
+        parts = choice.parser.feed(text)
+        if finished:
+            end = choice.parser.finish()
+            parts = Parts(parts.reasoning + end.reasoning, parts.content + end.content, end.tool_calls)
+        calls = []
+        for call in parts.tool_calls:
+            calls.append({"index": choice.num_calls, **call.as_openai()})
+            choice.num_calls += 1
+        return ChoiceDelta(index, parts.content, reasoning=parts.reasoning, tool_calls=calls or None)
 
     @staticmethod
     def _echo_ready(job: Job, out: RequestOutput) -> bool:

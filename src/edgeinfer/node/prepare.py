@@ -16,23 +16,21 @@ from edgeinfer.node.schemas import (
     SamplingFields,
     WorkersAIRunRequest,
 )
+from edgeinfer.structured.grammar import GrammarError, response_format_grammar
+from edgeinfer.structured.tools import parse_tool_choice, parse_tools
 from edgeinfer.types import SamplingParams
 
 OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
-def refuse_unsupported(raw: dict[str, Any]) -> None:
-    """Every route refuses what no route can honour yet (structured outputs, tools) with the same 400,
-    rather than ignoring it."""
+def refuse_tools(raw: dict[str, Any], route: str) -> None:
+    """Tools are a chat feature: the other routes refuse them with a 400 rather than ignoring them."""
     if raw.get("tools"):
-        raise bad_request("tools are not supported by this server", "tools")
-    fmt = raw.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
-        raise bad_request("only response_format type 'text' is supported", "response_format")
+        raise bad_request(f"tools are supported on /v1/chat/completions only, not on {route}", "tools")
 
 
 def completion_job(body: CompletionRequest, raw: dict[str, Any], limits: NodeLimits) -> Job:
-    refuse_unsupported(raw)
+    refuse_tools(raw, "/v1/completions")
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompts = _prompts(body.prompt)
@@ -43,7 +41,7 @@ def completion_job(body: CompletionRequest, raw: dict[str, Any], limits: NodeLim
         endpoint="completions",
         kind=COMPLETION,
         model=body.model,
-        sampling=_sampling(body, limits, max_tokens, body.logprobs),
+        sampling=_sampling(body, limits, max_tokens, body.logprobs, _grammar(body.response_format)),
         max_tokens=max_tokens,
         max_tokens_explicit=body.max_tokens is not None,
         arrival=time.monotonic(),
@@ -60,7 +58,13 @@ def completion_job(body: CompletionRequest, raw: dict[str, Any], limits: NodeLim
 
 
 def chat_job(body: ChatCompletionRequest, raw: dict[str, Any], limits: NodeLimits) -> Job:
-    refuse_unsupported(raw)
+    tools, choice = _tools(body)
+    grammar = _grammar(body.response_format)
+    if grammar is not None and choice.forced:
+        raise bad_request(
+            "tool_choice required or a named function cannot be combined with a JSON response_format",
+            "tool_choice",
+        )
     logprobs = None
     if body.logprobs:
         logprobs = body.top_logprobs or 0
@@ -73,11 +77,15 @@ def chat_job(body: ChatCompletionRequest, raw: dict[str, Any], limits: NodeLimit
         endpoint="chat.completions",
         kind=CHAT,
         model=body.model,
-        sampling=_sampling(body, limits, max_tokens or limits.max_tokens, logprobs),
+        sampling=_sampling(body, limits, max_tokens or limits.max_tokens, logprobs, grammar),
         max_tokens=max_tokens,
         max_tokens_explicit=max_tokens is not None,
         arrival=time.monotonic(),
         messages=_messages(body.messages),
+        tools=[t.as_openai() for t in tools] if choice.enabled else [],
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        template_kwargs=dict(body.chat_template_kwargs or {}),
         n=_n(body, limits, 1),
         logprobs=logprobs,
         stream=body.stream,
@@ -90,13 +98,13 @@ def chat_job(body: ChatCompletionRequest, raw: dict[str, Any], limits: NodeLimit
 
 def workers_ai_job(model: str, body: WorkersAIRunRequest, raw: dict[str, Any], limits: NodeLimits) -> Job:
     """`prompt` is wrapped as one user message in the chat template unless `raw` is true."""
-    refuse_unsupported(raw)
+    refuse_tools(raw, "the Workers-AI route")
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of `prompt` or `messages`")
     max_tokens = body.max_tokens or limits.workers_ai_default_max_tokens
     if body.max_tokens is not None and body.max_tokens > limits.max_tokens:
         raise bad_request(f"max_tokens must be <= {limits.max_tokens}", "max_tokens")
-    sampling = _workers_ai_sampling(body, max_tokens)
+    sampling = _workers_ai_sampling(body, max_tokens, _grammar(body.response_format))
     job = Job(
         request_id=_new_id("wai"),
         endpoint="ai.run",
@@ -111,6 +119,8 @@ def workers_ai_job(model: str, body: WorkersAIRunRequest, raw: dict[str, Any], l
         reject_if_busy=bool(body.options and body.options.reject_if_busy),
     )
     fields = _openai_fields(body, max_tokens)
+    if body.response_format is not None:
+        fields["response_format"] = body.response_format
     if body.prompt is not None and body.raw:
         job.kind, job.prompts = COMPLETION, [body.prompt]
         job.upstream_path, job.upstream_body = "/v1/completions", {**fields, "prompt": body.prompt}
@@ -139,7 +149,7 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     return list(prompt)
 
 
-def _messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def _messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(messages):
         content = message.content
@@ -148,8 +158,34 @@ def _messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                 raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
             content = "".join(part.text or "" for part in content)
         role = "system" if message.role == "developer" else message.role
-        out.append({"role": role, "content": content or ""})
+        item: dict[str, Any] = {"role": role, "content": content or ""}
+        extras = {
+            "tool_calls": message.tool_calls,
+            "tool_call_id": message.tool_call_id,
+            "name": message.name if role == "tool" else None,
+            "reasoning_content": message.reasoning_content,
+        }
+        item.update({k: v for k, v in extras.items() if v is not None})
+        out.append(item)
     return out
+
+
+def _tools(body: ChatCompletionRequest) -> tuple[list[Any], Any]:
+    try:
+        tools = parse_tools(body.tools)
+        choice = parse_tool_choice(body.tool_choice, tools)
+    except ValueError as exc:
+        param = "tool_choice" if "tool_choice" in str(exc) else "tools"
+        raise bad_request(str(exc), param) from None
+    return tools, choice
+
+
+def _grammar(response_format: dict[str, Any] | None) -> str | None:
+    """The grammar of a response_format; an invalid or unsupported one is a 400 naming the problem."""
+    try:
+        return response_format_grammar(response_format)
+    except GrammarError as exc:
+        raise bad_request(f"response_format: {exc}", "response_format") from None
 
 
 def _n(body: SamplingFields, limits: NodeLimits, num_prompts: int) -> int:
@@ -179,7 +215,7 @@ def _reject_if_busy(body: SamplingFields) -> bool:
 
 
 def _sampling(
-    body: SamplingFields, limits: NodeLimits, max_tokens: int, logprobs: int | None
+    body: SamplingFields, limits: NodeLimits, max_tokens: int, logprobs: int | None, grammar: str | None
 ) -> SamplingParams:
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
@@ -201,10 +237,11 @@ def _sampling(
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        grammar=grammar,
     )
 
 
-def _workers_ai_sampling(body: WorkersAIRunRequest, max_tokens: int) -> SamplingParams:
+def _workers_ai_sampling(body: WorkersAIRunRequest, max_tokens: int, grammar: str | None) -> SamplingParams:
     # Workers AI documents temperature 0.6 as the text-generation default.
     return _params(
         max_tokens=max_tokens,
@@ -215,6 +252,7 @@ def _workers_ai_sampling(body: WorkersAIRunRequest, max_tokens: int) -> Sampling
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         seed=body.seed,
+        grammar=grammar,
     )
 
 

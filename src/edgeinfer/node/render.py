@@ -27,9 +27,15 @@ class Collected:
     texts: dict[int, list[str]] = field(default_factory=dict)
     logprobs: dict[int, list[LogprobEntry]] = field(default_factory=dict)
     finish: dict[int, str] = field(default_factory=dict)
+    reasoning: dict[int, list[str]] = field(default_factory=dict)
+    tool_calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
 
     def add(self, delta: ChoiceDelta) -> None:
         self.texts.setdefault(delta.index, []).append(delta.text)
+        if delta.reasoning:
+            self.reasoning.setdefault(delta.index, []).append(delta.reasoning)
+        if delta.tool_calls:
+            self.tool_calls.setdefault(delta.index, []).extend(delta.tool_calls)
         if delta.logprobs is not None:
             self.logprobs.setdefault(delta.index, []).extend(delta.logprobs)
         if delta.finish_reason is not None:
@@ -158,7 +164,7 @@ class ChatRenderer(Renderer):
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": collected.text(i)},
+                "message": _chat_message(collected, i),
                 "logprobs": _chat_logprobs(collected.logprobs.get(i, []))
                 if self.job.logprobs is not None
                 else None,
@@ -170,6 +176,10 @@ class ChatRenderer(Renderer):
 
     def chunk(self, delta: ChoiceDelta) -> dict[str, Any]:
         message: dict[str, Any] = {"content": delta.text}
+        if delta.reasoning:
+            message["reasoning_content"] = delta.reasoning
+        if delta.tool_calls:
+            message["tool_calls"] = delta.tool_calls
         if delta.index not in self._started:
             self._started.add(delta.index)
             message = {"role": "assistant", **message}
@@ -210,6 +220,17 @@ class WorkersAIRenderer(Renderer):
 
     def error_event(self, error: ApiError) -> dict[str, Any]:
         return error.workers_ai_body()
+
+
+def _chat_message(collected: Collected, index: int) -> dict[str, Any]:
+    """The assistant message: content (None when the answer is only tool calls), reasoning, calls."""
+    message: dict[str, Any] = {"role": "assistant", "content": collected.text(index)}
+    if index in collected.reasoning:
+        message["reasoning_content"] = "".join(collected.reasoning[index])
+    if calls := collected.tool_calls.get(index):
+        message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
+        message["content"] = message["content"] or None
+    return message
 
 
 def _chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:

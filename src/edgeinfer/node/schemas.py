@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI and Workers-AI APIs (responses are built as plain dicts in render_*).
 
-Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot honour (tools, non-text
-response formats, logit_bias, suffix) are refused with 400 rather than silently dropped. Types are strict
+Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot honour (logit_bias, suffix,
+non-text content parts) are refused with 400 rather than silently dropped. Types are strict
 (`true` is not an integer, `"1"` not a number), and text must be valid Unicode (no lone surrogates, which
 JSON's `\\ud800` escapes can carry): such bodies get 422 before anything else reads them.
 """
@@ -89,6 +89,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class TextPart(_Body):
@@ -100,6 +101,9 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -111,7 +115,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class WorkersAIRunRequest(_RequestBody):
@@ -129,4 +135,5 @@ class WorkersAIRunRequest(_RequestBody):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    response_format: dict[str, Any] | None = None
     options: RequestOptions | None = None

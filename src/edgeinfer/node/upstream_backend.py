@@ -66,13 +66,17 @@ class UpstreamBackend(Backend):
         outcome.usage = _usage(data.get("usage"))
         deltas = []
         for choice in data.get("choices") or []:
-            text = choice.get("text") if job.kind != CHAT else (choice.get("message") or {}).get("content")
+            message = choice.get("message") or {}
+            text = choice.get("text") if job.kind != CHAT else message.get("content")
+            calls = message.get("tool_calls") if isinstance(message.get("tool_calls"), list) else None
             deltas.append(
                 ChoiceDelta(
                     index=int(choice.get("index", 0)),
                     text=text or "",
                     logprobs=_logprobs(choice.get("logprobs"), job.kind),
                     finish_reason=choice.get("finish_reason") or "stop",
+                    reasoning=message.get("reasoning_content") or "",
+                    tool_calls=[{"index": i, **c} for i, c in enumerate(calls)] if calls else None,
                 )
             )
         return deltas
@@ -108,12 +112,15 @@ class UpstreamBackend(Backend):
 
 
 def _stream_delta(choice: dict[str, Any], kind: str) -> ChoiceDelta | None:
-    text = choice.get("text") if kind != CHAT else (choice.get("delta") or {}).get("content")
+    delta = choice.get("delta") or {}
+    text = choice.get("text") if kind != CHAT else delta.get("content")
     logprobs = _logprobs(choice.get("logprobs"), kind)
     finish = choice.get("finish_reason")
-    if not text and not logprobs and not finish:
+    reasoning = delta.get("reasoning_content") or ""
+    calls = delta.get("tool_calls") if isinstance(delta.get("tool_calls"), list) else None
+    if not text and not logprobs and not finish and not reasoning and not calls:
         return None  # e.g. the role-only first chunk of a chat stream
-    return ChoiceDelta(int(choice.get("index", 0)), text or "", logprobs, finish)
+    return ChoiceDelta(int(choice.get("index", 0)), text or "", logprobs, finish, reasoning, calls)
 
 
 def _usage(raw: Any) -> Usage:

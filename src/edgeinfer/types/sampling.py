@@ -16,6 +16,9 @@ class SamplingParams:
     `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` means greedy.
     `logprobs` asks for the top-N alternatives of every generated token (0: only the chosen one);
     `prompt_logprobs` does the same for every prompt token after the first.
+    `grammar`: an llguidance grammar (serialized, as `edgeinfer.structured.grammar` builds it) that every
+    sampled token must follow; the request finishes when the grammar is complete.
+    `skip_special_tokens`: leave special tokens out of the text (tool-call markers need them kept).
     """
 
     max_tokens: int = 16
@@ -34,6 +37,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    grammar: str | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +76,7 @@ class SamplingParams:
                 value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
                 f"{name} must be an integer in [0, {MAX_LOGPROBS}]",
             )
+        _check(self.grammar is None or isinstance(self.grammar, str), "grammar must be a string")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -9,6 +9,7 @@ from torch import nn
 
 from edgeinfer.engine.attention import KVCacheStorage, get_attention_backend
 from edgeinfer.engine.model.compile import DecodeCompiledForward
+from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.inputs import StepInputs, build_inputs
 from edgeinfer.engine.runner.sampler import Sampler, top_logprobs
 from edgeinfer.engine.scheduler import SchedulerOutput
@@ -21,6 +22,17 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    grammar_done: set[str] = field(default_factory=set)  # requests whose grammar completed with this token
+
+    def feed_grammar(self, grammar: GrammarRuntime | None) -> None:
+        """Advance the constrained requests' matchers by this step's tokens, once per step (never inside
+        `execute`, which may be run again for the same step); a rejected token fails its request."""
+        if grammar is None or not grammar.active:
+            return
+        self.grammar_done, errors = grammar.consume(self.tokens)
+        for rid in errors:
+            self.tokens.pop(rid, None)
+        self.errors.update(errors)
 
 
 class ModelRunner:
@@ -32,6 +44,7 @@ class ModelRunner:
         backend: str = "torch",
         vocab_limit: int | None = None,
         compile: bool = False,
+        guidance_tokenizer: LazyGuidanceTokenizer | None = None,
     ) -> None:
         self.model = model
         self.compiled = DecodeCompiledForward(model) if compile else None
@@ -39,16 +52,20 @@ class ModelRunner:
         self.device = device
         self.backend = get_attention_backend(backend, storage)
         self.sampler = Sampler(vocab_limit)
+        self.grammar = GrammarRuntime(guidance_tokenizer) if guidance_tokenizer is not None else None
         self.num_steps = 0
         self._logits: torch.Tensor | None = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.sampler.forget(sched.finished)
+        if self.grammar is not None:
+            self.grammar.forget(sched.finished)
         if sched.is_empty:
             return RunnerOutput()
         self.num_steps += 1
         inp = build_inputs(sched.chunks, self.storage.block_size, self.device)
+        pending_masks = self.grammar.start_masks(inp.sample_chunks) if self.grammar is not None else None
         self.backend.begin(inp.attn)
         if self.compiled is not None:
             single_decode = inp.attn.num_decodes == inp.attn.num_seqs == 1
@@ -59,7 +76,8 @@ class ModelRunner:
         if inp.sample_rows:
             rows = hidden[inp.sample_rows]
             logits = self.model.compute_logits(rows, self._logits_buffer(len(inp.sample_rows)))
-            res = self.sampler.sample(logits, inp.sample_chunks)
+            masks = pending_masks.result() if pending_masks is not None else None
+            res = self.sampler.sample(logits, inp.sample_chunks, masks)
             out.tokens, out.logprobs, out.errors = res.tokens, res.logprobs, res.errors
         if inp.prompt_logprob_rows:
             out.prompt_logprobs = self._prompt_logprobs(hidden, inp)

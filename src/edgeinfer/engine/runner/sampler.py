@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from edgeinfer.engine.runner.grammar import StepMasks, apply_masks
 from edgeinfer.engine.scheduler import ScheduledChunk
 from edgeinfer.types import TokenLogprob
 
@@ -52,7 +53,11 @@ class Sampler:
             self._generators.pop(rid, None)
             self._draws.pop(rid, None)
 
-    def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleResult:
+    def sample(
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk], masks: StepMasks | None = None
+    ) -> SampleResult:
+        """Tokens for every row. Grammar `masks` restrict their rows before anything else, so penalties,
+        temperature, top-k/p, seeds and logprobs all see only the tokens the grammar allows."""
         result = SampleResult()
         # One reduction per row: any NaN or ±Inf makes the row sum non-finite (fp32 logits cannot reach Inf).
         finite = torch.isfinite(logits.sum(dim=-1)).tolist()
@@ -62,6 +67,9 @@ class Sampler:
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
             logits = logits.clone()
             logits[:, self.vocab_limit :] = float("-inf")
+        if masks is not None:  # in place: the runner's logits buffer is rewritten every step anyway
+            apply_masks(logits, masks)
+            result.errors.update(masks.errors)
         raw = logits
         if any(_needs_penalties(c) for c in chunks):  # copy only when logits will be edited
             logits = self._apply_penalties(logits.clone(), chunks)
