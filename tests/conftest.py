@@ -6,6 +6,14 @@ import pytest
 from helpers.tiny_models import make_tiny
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory):
+    """Prepared models and compiled graphs go to a directory of this session, not the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EDGEINFER_CACHE_DIR", str(tmp_path_factory.mktemp("edgeinfer-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
