@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from edgeinfer.engine.attention.storage import kv_bytes_per_token
 from edgeinfer.engine.config import EngineConfig
@@ -78,7 +81,7 @@ def _build(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Mod
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), _SkipInit() if device.type == "meta" else contextlib.nullcontext():
             return build_model(ckpt.config)
     finally:
         torch.set_default_dtype(previous)
@@ -98,6 +101,20 @@ def _load_fresh(
     if config.cpu_gemv or (config.cpu_gemv is None and device.type == "cpu" and kernels.cpu_has_vnni()):
         _use_cpu_gemv(model, required=bool(config.cpu_gemv))
     return model
+
+
+class _SkipInit(TorchFunctionMode):
+    """Random initialisation skipped while a meta model is built for the cache to fill: meta tensors
+    hold no values, and `normal_` on them alone imports torch's compiler stack (1-3 s)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _INIT_OPS:
+            return args[0] if args else kwargs["tensor"]  # nn.init passes the tensor by keyword
+        return func(*args, **kwargs)
+
+
+_INIT_OPS = frozenset({"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "xavier_uniform_"})
 
 
 def _prepared_cache(
