@@ -123,3 +123,27 @@ def test_changed_source_or_settings_miss(tiny_models, tmp_path, caplog):
     got = logits(changed)
     assert not torch.equal(got, old)
     assert torch.equal(got, logits(load(str(src), cache, prepared_cache=False)))
+
+
+def test_eiz_directory_loads_directly(tiny_models, tmp_path):
+    """A `edgeinfer compress`ed directory serves the same logits as the bf16 checkpoint it came from, and a
+    damaged `.eiz` fails with the file named."""
+    from edgeinfer.cli import main
+    from edgeinfer.engine.model.loader import CheckpointError
+    from edgeinfer.engine.model.loader.eiz_checkpoint import EizCheckpoint
+
+    src = tmp_path / "bf16"
+    shutil.copytree(tiny_models["gemma3"], src)
+    weights = src / "model.safetensors"
+    save_file({n: t.to(torch.bfloat16) for n, t in load_file(str(weights)).items()}, str(weights))
+    out = tmp_path / "eiz"
+    assert main(["compress", str(src), str(out)]) == 0
+    ckpt = open_checkpoint(str(out))
+    assert isinstance(ckpt, EizCheckpoint)
+    got = logits(load(str(out), tmp_path / "cache", prepared_cache=False))
+    assert torch.equal(got, logits(load(str(src), tmp_path / "cache", prepared_cache=False)))
+    data = bytearray((out / "model.eiz").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (out / "model.eiz").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.eiz"):
+        load(str(out), tmp_path / "cache", prepared_cache=False)
