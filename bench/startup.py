@@ -185,12 +185,11 @@ def main() -> int:
             peer_runs[precision] = llama(PEER_PRECISION[precision], gguf, args.port, args.threads)
         result = ours(config, args.port + 1, args.threads, args.timeout)
         rows.append((config, result, peer_runs[precision]))
-        print(table(rows[-1:]), file=sys.stderr)
-    body = describe(args, load_before, rows)
-    print(body)
-    if not args.no_docs:
-        replace_section(DOCS, "startup-bench", body)
-        print(f"updated {DOCS.relative_to(REPO)}", file=sys.stderr)
+        body = describe(args, load_before, rows)
+        print(body)
+        if not args.no_docs:  # after every configuration: a long run that is stopped keeps what it measured
+            replace_section(DOCS, "startup-bench", body)
+            print(f"updated {DOCS.relative_to(REPO)}", file=sys.stderr)
     return 0
 
 
