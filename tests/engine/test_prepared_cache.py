@@ -147,3 +147,14 @@ def test_eiz_directory_loads_directly(tiny_models, tmp_path):
     (out / "model.eiz").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"model\.eiz"):
         load(str(out), tmp_path / "cache", prepared_cache=False)
+
+
+@pytest.mark.gemma
+def test_real_default_model_cached_bf16_is_bit_identical(default_gguf, tmp_path, caplog):
+    """Gemma 3 270M from its Q4_K_M GGUF (dequantized to bf16, ~12 s) against its cached form (~0.2 s)."""
+    fresh = load(str(default_gguf), tmp_path)  # a miss: dequantizes and writes the entry
+    with caplog.at_level(logging.INFO, logger="edgeinfer.engine.prepared"):
+        cached = load(str(default_gguf), tmp_path)
+    assert HIT in caplog.text
+    ids = torch.tensor([2, 818, 5279, 529, 7001, 563, 236743, 100, 4000, 90000])
+    assert torch.equal(logits(cached, ids), logits(fresh, ids))
