@@ -16,6 +16,7 @@ llama-server has no counterpart of). llama-server starts on the GGUF of its own 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -40,6 +41,7 @@ from edgeinfer.engine.model.loader.default_model import resolve_default_model  #
 DOCS = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results"
 CACHES = RESULTS / "startup-cache"
+STORE = RESULTS / "startup.json"
 CONFIGS = {
     "bf16": [],
     "int8": ["--quantization", "int8"],
@@ -128,30 +130,35 @@ def cpu_flags() -> str:
     return " ".join(w for w in wanted if w in flags) or "none of the AVX2/AVX-512/AMX flags"
 
 
-def table(rows: list[tuple[str, tuple[Start, Start], tuple[Start, Start] | None]]) -> str:
+Row = dict  # {"config", "first", "second", "peer": [[ready, answered] x 2], "load": [before, after], "date"}
+
+
+def table(rows: list[Row]) -> str:
     lines = [
         "| configuration | first start: ready / answered (s) | second start: ready / answered (s) "
-        "| llama-server, same class: ready / answered (s) | second start ready ÷ llama-server's |",
-        "|---|---|---|---|---|",
+        "| llama-server, same class: ready / answered (s) | second start ready ÷ llama-server's "
+        "| load avg before → after | measured |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, (first, second), peer in rows:
-        theirs = f"{peer[1].ready_s:.2f} / {peer[1].answered_s:.2f}" if peer else "n/a"
-        ratio = f"{second.ready_s / peer[1].ready_s:.1f}×" if peer else "n/a"
+    for row in rows:
+        (first, second), peer = row["ours"], row["peer"][1]
         lines.append(
-            f"| `serve {' '.join(CONFIGS[name])}` | {first.ready_s:.1f} / {first.answered_s:.1f} "
-            f"| {second.ready_s:.2f} / {second.answered_s:.2f} | {theirs} | {ratio} |"
+            f"| `serve {' '.join(CONFIGS[row['config']])}` | {first[0]:.1f} / {first[1]:.1f} "
+            f"| {second[0]:.2f} / {second[1]:.2f} | {peer[0]:.2f} / {peer[1]:.2f} "
+            f"| {second[0] / peer[0]:.1f}× | {row['load'][0]:.1f} → {row['load'][1]:.1f} | {row['date']} |"
         )
     return "\n".join(lines)
 
 
-def describe(args: argparse.Namespace, load_before: float, rows: list) -> str:
+def describe(args: argparse.Namespace, rows: list[Row]) -> str:
     machine = (
         f"Machine: {serve_report.machine_info()}; CPU flags: {cpu_flags()}; {args.threads} threads. "
-        f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after: the machine is "
-        "shared with other work, so absolute times are noisy; both servers ran in this run, one at a time."
+        "The machine is shared with other work (1-min load averages per row), so absolute times are noisy; "
+        "each row's llama-server starts ran just before its own, one server at a time."
     )
     setup = (
-        f"Command: `python bench/startup.py {shlex.join(sys.argv[1:])}`. Gemma 3 270M; ours from its "
+        "Command: `python bench/startup.py [--configs ...]` (rows kept in bench/results/startup.json, "
+        "each rerun replaces its own). Gemma 3 270M; ours from its "
         "Q4_K_M GGUF (`edgeinfer serve --preload`, `--cache-dir` emptied before the first start); "
         f"llama-server (llama-cpp-python {peers.LLAMA_CPP_PYTHON_VERSION}) on the GGUF of the same class "
         "(BF16, Q8_0, Q4_K_M). Ready: `/ready` or `/health` answers 200; answered: an 8-token greedy "
@@ -176,16 +183,22 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     gguf = resolve_default_model()
-    load_before = os.getloadavg()[0]
-    peer_runs = {}
-    rows = []
+    stored = json.loads(STORE.read_text()) if STORE.exists() else {}
     for config in args.configs:
         precision = config.split()[0]
-        if precision not in peer_runs:
-            peer_runs[precision] = llama(PEER_PRECISION[precision], gguf, args.port, args.threads)
+        load_before = os.getloadavg()[0]
+        peer = llama(PEER_PRECISION[precision], gguf, args.port, args.threads)
         result = ours(config, args.port + 1, args.threads, args.timeout)
-        rows.append((config, result, peer_runs[precision]))
-        body = describe(args, load_before, rows)
+        stored[config] = {
+            "config": config,
+            "ours": [[s.ready_s, s.answered_s] for s in result],
+            "peer": [[s.ready_s, s.answered_s] for s in peer],
+            "load": [load_before, os.getloadavg()[0]],
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+        STORE.parent.mkdir(parents=True, exist_ok=True)
+        STORE.write_text(json.dumps(stored, indent=1))
+        body = describe(args, [stored[c] for c in CONFIGS if c in stored])
         print(body)
         if not args.no_docs:  # after every configuration: a long run that is stopped keeps what it measured
             replace_section(DOCS, "startup-bench", body)

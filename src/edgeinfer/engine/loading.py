@@ -72,7 +72,8 @@ def load_model(
         model = None
     if model is None:
         model = _load_fresh(ckpt, dtype, device, config)
-        if cache:
+        # a model left on torch's kernels because ours did not build here is not what the key stands for
+        if cache and (uses_cpu_gemv(model) or not _wants_cpu_gemv(config, device) or not _gemv_layers(model)):
             cache.save(key, model, _build(ckpt, dtype, torch.device("meta")))
     return model.eval().requires_grad_(False)
 
@@ -98,9 +99,20 @@ def _load_fresh(
         model.load_weights(ckpt.iter_tensors(_load_dtype(model, dtype)))
         if config.quantization:
             _quantize_float_model(model, ckpt, config, dtype, device)
-    if config.cpu_gemv or (config.cpu_gemv is None and device.type == "cpu" and kernels.cpu_has_vnni()):
+    if _wants_cpu_gemv(config, device):
         _use_cpu_gemv(model, required=bool(config.cpu_gemv))
     return model
+
+
+def _wants_cpu_gemv(config: EngineConfig, device: torch.device) -> bool:
+    return bool(
+        config.cpu_gemv or (config.cpu_gemv is None and device.type == "cpu" and kernels.cpu_has_vnni())
+    )
+
+
+def _gemv_layers(model: nn.Module) -> list[PreparedModule]:
+    modules = (m for m in model.modules() if isinstance(m, PreparedModule))
+    return [m for m in modules if m.method.name in kernels.METHODS]
 
 
 class _SkipInit(TorchFunctionMode):
@@ -130,7 +142,7 @@ def _prepared_cache(
         "device": str(device),
         "quantization": config.quantization,
         "lm_head_quantization": config.lm_head_quantization,
-        "cpu_gemv": config.cpu_gemv,
+        "cpu_gemv": _wants_cpu_gemv(config, device),
         "calibrate": config.calibrate_quantization,
         "gptq": config.gptq_calibration,
     }
@@ -156,8 +168,7 @@ def _use_cpu_gemv(model: nn.Module, required: bool) -> None:
     """Move the int8 / int4 layers onto our CPU kernels. Asked for (`required`), a model without such
     layers or a failed build is an error; by default (auto) both leave torch's kernels, the latter with a
     warning, and float models never start the build."""
-    modules = (m for m in model.modules() if isinstance(m, PreparedModule))
-    layers = [m for m in modules if m.method.name in kernels.METHODS]
+    layers = _gemv_layers(model)
     if not layers and not required:
         return
     try:
