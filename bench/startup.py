@@ -143,7 +143,7 @@ def table(rows: list[Row]) -> str:
     for row in rows:
         (first, second), peer = row["ours"], row["peer"][1]
         lines.append(
-            f"| `serve {' '.join(CONFIGS[row['config']])}` | {first[0]:.1f} / {first[1]:.1f} "
+            f"| `{' '.join(['serve', *CONFIGS[row['config']]])}` | {first[0]:.1f} / {first[1]:.1f} "
             f"| {second[0]:.2f} / {second[1]:.2f} | {peer[0]:.2f} / {peer[1]:.2f} "
             f"| {second[0] / peer[0]:.1f}× | {row['load'][0]:.1f} → {row['load'][1]:.1f} | {row['date']} |"
         )
@@ -177,6 +177,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--port", type=int, default=18431)
     p.add_argument("--timeout", type=float, default=1800.0, help="per start, seconds")
     p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--render-only", action="store_true", help="rewrite the table from the stored rows")
     return p.parse_args()
 
 
@@ -184,6 +185,9 @@ def main() -> int:
     args = parse_args()
     gguf = resolve_default_model()
     stored = json.loads(STORE.read_text()) if STORE.exists() else {}
+    if args.render_only:
+        replace_section(DOCS, "startup-bench", describe(args, [stored[c] for c in CONFIGS if c in stored]))
+        return 0
     for config in args.configs:
         precision = config.split()[0]
         load_before = os.getloadavg()[0]
