@@ -101,13 +101,13 @@ def main() -> int:
         with Stream(config) as stream:  # its load also fills the cache the second model reads
             time.sleep(3)
             baseline = stream.longest_gap(time.perf_counter() - 2, time.perf_counter())
-            rows = []
+            spans = []
             for name, run in phases(config):
                 start = time.perf_counter()
                 run()
-                end = time.perf_counter()
-                rows.append((name, end - start, stream.longest_gap(start, end)))
-                time.sleep(1)
+                spans.append((name, start, time.perf_counter()))
+                time.sleep(1)  # the stream steps past the phase's end before the next one starts
+    rows = [(name, end - start, stream.longest_gap(start, end)) for name, start, end in spans]
     lines = [
         "### Stream stalls while a second model loads in the same process",
         "",
