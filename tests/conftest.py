@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from helpers.tiny_models import make_tiny
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory):
+    """Prepared models and compiled graphs go to a directory of this session, not the user's cache; our
+    CPU kernels keep being built in the user's cache (builds are keyed by their source, ~10 s each)."""
+    from edgeinfer.engine.prepared import cache_root
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(
+            "TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache_root() / "extensions")
+        )
+        mp.setenv("EDGEINFER_CACHE_DIR", str(tmp_path_factory.mktemp("edgeinfer-cache")))
+        yield
 
 
 @pytest.fixture(scope="session")

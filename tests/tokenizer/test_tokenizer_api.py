@@ -66,6 +66,37 @@ def test_gguf_tokenizer_is_cached_and_rebuilt_when_the_file_changes(tmp_path: Pa
     assert cached.eos_token_ids == first.eos_token_ids
 
 
+def _assert_reads_alike(cache: Path, texts: list[str]) -> None:
+    """Cached starts read the tokenizer saved from GGUF metadata through `tokenizers` directly; it must
+    encode and decode as the class AutoTokenizer builds from the same directory."""
+    from edgeinfer.engine.tokenizer import _load_pretrained, _load_saved
+
+    fast, auto = _load_saved(cache), _load_pretrained(cache)
+    for text in texts:
+        for special in (True, False):
+            assert fast.encode(text, add_special_tokens=special) == auto.encode(
+                text, add_special_tokens=special
+            )
+        ids = auto.encode(text)
+        assert fast.decode(ids, skip_special_tokens=False) == auto.decode(ids, skip_special_tokens=False)
+    ours = (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id, len(fast), fast.all_special_ids)
+    assert ours == (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id, len(auto), auto.all_special_ids)
+
+
+def test_saved_gguf_tokenizer_reads_as_autotokenizer_does(tmp_path: Path) -> None:
+    path = write_spm_gguf(tmp_path / "m.gguf")
+    Tokenizer.from_checkpoint(open_checkpoint(path))
+    _assert_reads_alike(tmp_path / "m.gguf.tokenizer", [*TEXTS, "<s>hi</s> <end_of_turn>x", "hello world 漢"])
+
+
+@pytest.mark.gemma
+def test_saved_gemma_tokenizer_reads_as_gemma_tokenizer_does(gemma_tokenizer: Tokenizer) -> None:
+    """Gemma's own class (GemmaTokenizer) against the direct read of the same saved files."""
+    cache = open_checkpoint("gemma-3-270m").tokenizer_dir
+    texts = [*TEXTS, "<start_of_turn>user\nHi<end_of_turn>\n", "𓀀 needs byte fallback", "a  b   c\n\n"]
+    _assert_reads_alike(cache, texts)
+
+
 def test_unloadable_tokenizer_is_a_checkpoint_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     (tmp_path / "tokenizer.json").write_text("{not json")

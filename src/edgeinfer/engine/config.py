@@ -56,6 +56,13 @@ class EngineConfig:
     # so it is off by default.
     compile: bool = False
     kv_cache_dtype: str = "auto"
+    # Keep the loaded model's runtime tensors (dequantized, quantized, re-laid for our kernels) on disk and
+    # memory-map them on the next load with the same source and settings (engine/prepared): Gemma 3 270M
+    # from its GGUF then loads without dequantizing or quantizing. Off: every load starts from the source.
+    prepared_cache: bool = True
+    # Where the prepared-form cache, compiled graphs and kernel builds live; None: $EDGEINFER_CACHE_DIR,
+    # else ~/.cache/edgeinfer.
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

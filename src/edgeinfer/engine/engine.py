@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,8 +17,10 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, resolve_dtype
+from edgeinfer.engine.model.compile import use_persistent_compile_cache
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
+from edgeinfer.engine.prepared import cache_root
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.runner import ModelRunner, RunnerOutput
 from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
@@ -80,6 +83,10 @@ class LLMEngine:
             config.scheduling_policy,
         )
         self.scheduler = Scheduler(sched_cfg, kv, clock)
+        if config.compile:
+            use_persistent_compile_cache(
+                Path(config.cache_dir).expanduser() if config.cache_dir else cache_root()
+            )
         guidance = LazyGuidanceTokenizer(
             self.tokenizer.hf, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids
         )
@@ -93,6 +100,8 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        if config.compile:
+            self._warm_up()
         log.info(
             "engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), context %d",
             config.model,
@@ -102,6 +111,15 @@ class LLMEngine:
             self.layout.kv_bytes / 2**20,
             self.layout.max_model_len,
         )
+
+    def _warm_up(self) -> None:
+        """Compile the one-sequence decode graph now, so that the first request does not wait for it: a
+        short greedy generation runs one prefill and two compiled decode steps (the second checks that
+        the graph holds for another context length). Its blocks stay in the prefix cache as free blocks."""
+        start = time.perf_counter()
+        prompt = [self.tokenizer.bos_token_id or 0] * 5
+        self.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        log.info("compiled the decode step in %.1f s", time.perf_counter() - start)
 
     # ---- requests --------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:

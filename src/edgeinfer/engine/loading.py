@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from edgeinfer.engine.attention.storage import kv_bytes_per_token
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.model.loader import Checkpoint
 from edgeinfer.engine.model.loader.base import cast_floating
 from edgeinfer.engine.model.registry import build_model
+from edgeinfer.engine.prepared import PreparedCache, cache_root, entry_key, source_digest
 from edgeinfer.engine.quant import kernels
 from edgeinfer.engine.quant.apply import quantize_model
 from edgeinfer.engine.quant.base import WeightMethod, get_weight_method
@@ -58,15 +63,35 @@ def load_model(
 ) -> nn.Module:
     """Build the model, fill its weights and apply weight quantization: a quantized checkpoint
     (compressed-tensors `quantization_config`) loads its stored states as is; `config.quantization` on a
-    float checkpoint quantizes at load."""
+    float checkpoint quantizes at load. On CPU the result is kept in the prepared-form cache
+    (engine/prepared), and a later load with the same source and settings memory-maps it instead."""
+    config = config or EngineConfig(model=str(ckpt.path))
+    cache, key = _prepared_cache(ckpt, dtype, device, config)
+    model = cache.load(key, lambda: _build(ckpt, dtype, torch.device("meta"))) if cache else None
+    if model is not None and not _kernels_ready(model, config):
+        model = None
+    if model is None:
+        model = _load_fresh(ckpt, dtype, device, config)
+        # a model left on torch's kernels because ours did not build here is not what the key stands for
+        if cache and (uses_cpu_gemv(model) or not _wants_cpu_gemv(config, device) or not _gemv_layers(model)):
+            cache.save(key, model, _build(ckpt, dtype, torch.device("meta")))
+    return model.eval().requires_grad_(False)
+
+
+def _build(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
-            model = build_model(ckpt.config)
+        with torch.device(device), _SkipInit() if device.type == "meta" else contextlib.nullcontext():
+            return build_model(ckpt.config)
     finally:
         torch.set_default_dtype(previous)
-    config = config or EngineConfig(model=str(ckpt.path))
+
+
+def _load_fresh(
+    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, config: EngineConfig
+) -> nn.Module:
+    model = _build(ckpt, dtype, device)
     stored = QuantizationConfig.from_hf(ckpt.config)
     if stored is not None:
         _load_quantized(model, ckpt, stored, config, dtype, device)
@@ -74,17 +99,76 @@ def load_model(
         model.load_weights(ckpt.iter_tensors(_load_dtype(model, dtype)))
         if config.quantization:
             _quantize_float_model(model, ckpt, config, dtype, device)
-    if config.cpu_gemv or (config.cpu_gemv is None and device.type == "cpu" and kernels.cpu_has_vnni()):
+    if _wants_cpu_gemv(config, device):
         _use_cpu_gemv(model, required=bool(config.cpu_gemv))
-    return model.eval().requires_grad_(False)
+    return model
+
+
+def _wants_cpu_gemv(config: EngineConfig, device: torch.device) -> bool:
+    return bool(
+        config.cpu_gemv or (config.cpu_gemv is None and device.type == "cpu" and kernels.cpu_has_vnni())
+    )
+
+
+def _gemv_layers(model: nn.Module) -> list[PreparedModule]:
+    modules = (m for m in model.modules() if isinstance(m, PreparedModule))
+    return [m for m in modules if m.method.name in kernels.METHODS]
+
+
+class _SkipInit(TorchFunctionMode):
+    """Random initialisation skipped while a meta model is built for the cache to fill: meta tensors
+    hold no values, and `normal_` on them alone imports torch's compiler stack (1-3 s)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _INIT_OPS:
+            return args[0] if args else kwargs["tensor"]  # nn.init passes the tensor by keyword
+        return func(*args, **kwargs)
+
+
+_INIT_OPS = frozenset({"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "xavier_uniform_"})
+
+
+def _prepared_cache(
+    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, config: EngineConfig
+) -> tuple[PreparedCache | None, str]:
+    """The cache and this load's entry key; no cache off the CPU (entries are memory-mapped host
+    tensors) or when `config.prepared_cache` is off."""
+    if not config.prepared_cache or device.type != "cpu":
+        return None, ""
+    root = Path(config.cache_dir).expanduser() if config.cache_dir else cache_root()
+    settings = {
+        "dtype": str(dtype),
+        "device": str(device),
+        "quantization": config.quantization,
+        "lm_head_quantization": config.lm_head_quantization,
+        "cpu_gemv": _wants_cpu_gemv(config, device),
+        "calibrate": config.calibrate_quantization,
+        "gptq": config.gptq_calibration,
+    }
+    key = entry_key(source_digest(Path(ckpt.path), root), settings)
+    return PreparedCache(root / "prepared"), key
+
+
+def _kernels_ready(model: nn.Module, config: EngineConfig) -> bool:
+    """A cached model in our kernels' layout needs them loaded; where they no longer build, load afresh."""
+    if not uses_cpu_gemv(model):
+        return True
+    try:
+        kernels.load()
+    except kernels.KernelBuildError as e:
+        if config.cpu_gemv:
+            raise ValueError(f"cpu_gemv: {e}") from None
+        log.warning("%s; loading afresh with torch's kernels", e)
+        return False
+    return True
 
 
 def _use_cpu_gemv(model: nn.Module, required: bool) -> None:
     """Move the int8 / int4 layers onto our CPU kernels. Asked for (`required`), a model without such
     layers or a failed build is an error; by default (auto) both leave torch's kernels, the latter with a
     warning, and float models never start the build."""
-    modules = (m for m in model.modules() if isinstance(m, PreparedModule))
-    layers = [m for m in modules if m.method.name in kernels.METHODS]
+    layers = _gemv_layers(model)
     if not layers and not required:
         return
     try:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from edgeinfer.engine.chat_messages import normalize_messages
 from edgeinfer.engine.chat_templates import builtin_template, handles_tools, render_template
@@ -144,7 +144,7 @@ def _load_pretrained(directory: Path) -> PreTrainedTokenizerBase:
 def _gguf_tokenizer(gguf_path: Path, cache_dir: Path) -> PreTrainedTokenizerBase:
     stamp = _source_stamp(gguf_path)
     if _cached_stamp(cache_dir) == stamp:
-        return _load_pretrained(cache_dir)
+        return _load_saved(cache_dir)
     log.info("building the tokenizer from %s's metadata (cached afterwards in %s)", gguf_path.name, cache_dir)
     try:
         hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -153,6 +153,24 @@ def _gguf_tokenizer(gguf_path: Path, cache_dir: Path) -> PreTrainedTokenizerBase
             f"{gguf_path}: cannot build a tokenizer from GGUF metadata ({one_line(exc)})"
         ) from exc
     _save_cache(hf, cache_dir, stamp)
+    return hf
+
+
+def _load_saved(directory: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer we saved from GGUF metadata, read through `tokenizers` directly. AutoTokenizer builds
+    the family's class (Gemma's), which parses the 33 MB tokenizer.json in Python and then deep-copies the
+    result: on Gemma 3 270M 2.3x the time, the longest step of a cached start. The saved tokenizer.json
+    holds the normalizer, pre-tokenizer, post-processor and added tokens, so the result encodes alike."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        config.pop("tokenizer_class", None)
+        hf = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), **config)
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("reading the saved tokenizer in %s directly failed (%s)", directory, one_line(exc))
+        return _load_pretrained(directory)
+    template = directory / "chat_template.jinja"
+    if template.is_file():
+        hf.chat_template = template.read_text()
     return hf
 
 

@@ -90,7 +90,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile one-sequence decode steps (needs a C++ compiler; minutes at first use)",
+        help="torch.compile one-sequence decode steps at load (needs a C++ compiler; minutes the first "
+        "time, graphs cached under --cache-dir)",
+    )
+    engine.add_argument(
+        "--no-prepared-cache",
+        action="store_true",
+        help="load every model from its source, without the on-disk cache of its prepared (dequantized, "
+        "quantized) form",
+    )
+    engine.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="prepared models and compiled graphs ($EDGEINFER_CACHE_DIR, else ~/.cache/edgeinfer)",
     )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
@@ -244,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
         cpu_gemv=args.cpu_gemv,
         calibrate_quantization=not args.no_calibrate,
         gptq_calibration=args.gptq,
+        prepared_cache=not args.no_prepared_cache,
+        cache_dir=args.cache_dir,
         compile=args.compile,
         kv_cache_dtype=args.kv_cache_dtype,
     )

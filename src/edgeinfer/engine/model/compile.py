@@ -17,13 +17,23 @@ compiler at run time; when it fails the steps run eagerly, with a warning, rathe
 from __future__ import annotations
 
 import logging
+import os
 import types
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+
+def use_persistent_compile_cache(root: Path) -> None:
+    """Keep inductor's caches (FX graphs, AOTAutograd artifacts, built C++ wrappers) under `root`
+    unless the user chose a directory (`TORCHINDUCTOR_CACHE_DIR`): inductor's default lives in /tmp,
+    which a reboot or a container restart empties, and a cold cache costs minutes of compiling.
+    Set before the first compile: inductor reads the variable whenever it looks for its cache."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
 
 
 class DecodeCompiledForward:

@@ -89,10 +89,16 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = rotary_dim
         self.interleaved = interleaved
-        inv_freq, scale = rope_inv_freq(rotary_dim, params, max_pos)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", (freqs.cos() * scale).float(), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * scale).float(), persistent=False)
+        if torch.get_default_device().type == "meta":
+            # a shell that the prepared-form cache fills: no values are needed, and computing them on the
+            # meta device would import torch's compiler stack (1-3 s of a cached load)
+            cos = sin = torch.empty(max_pos, rotary_dim // 2)
+        else:
+            inv_freq, scale = rope_inv_freq(rotary_dim, params, max_pos)
+            freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+            cos, sin = (freqs.cos() * scale).float(), (freqs.sin() * scale).float()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self._step_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:

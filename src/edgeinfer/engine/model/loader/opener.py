@@ -10,13 +10,14 @@ from edgeinfer.engine.model.loader.default_model import (
     is_default_model,
     resolve_default_model,
 )
+from edgeinfer.engine.model.loader.eiz_checkpoint import EizCheckpoint, is_eiz_directory
 from edgeinfer.engine.model.loader.errors import CheckpointError
 from edgeinfer.engine.model.loader.gguf_checkpoint import GGUFCheckpoint
 from edgeinfer.engine.model.loader.safetensors_checkpoint import SafetensorsCheckpoint
 
 
 def open_checkpoint(path_or_name: str | Path) -> Checkpoint:
-    """Open an HF directory (config.json + *.safetensors), a `.gguf` file, or the default model by name.
+    """Open an HF directory (config.json + *.safetensors or model.eiz), a `.gguf` file, or the default model.
 
     Only headers are read here; tensors are read when `iter_tensors` is iterated. Every problem (missing path,
     no weights, unsupported architecture, truncated or corrupt file) raises `CheckpointError` naming the file.
@@ -25,7 +26,7 @@ def open_checkpoint(path_or_name: str | Path) -> Checkpoint:
         return GGUFCheckpoint(resolve_default_model(path_or_name))
     path = Path(path_or_name).expanduser()
     if path.is_dir():
-        return SafetensorsCheckpoint(path)
+        return EizCheckpoint(path) if is_eiz_directory(path) else SafetensorsCheckpoint(path)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise CheckpointError(f"{path}: not a checkpoint (expected a directory or a .gguf file)")

@@ -1,0 +1,98 @@
+"""The prepared-form cache: one safetensors file per entry, memory-mapped when it is loaded.
+
+An entry holds the runtime tensors of a loaded model (dequantized bf16, or quantized tensors in the
+kernels' layout) and, in its metadata, the snapshot spec (snapshot.py) and an xxh3-128 digest of every
+tensor's bytes. Loading checks the digest (~25 ms per GB from the page cache) before the tensors are
+used: a truncated file fails to open, a flipped byte fails the digest, and either way the entry is
+deleted and the model is loaded afresh. Entries are written to a temporary file and renamed, so a
+concurrent reader sees a whole entry or none.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import xxhash
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from edgeinfer.engine.prepared.snapshot import NotCacheable, capture, restore
+
+log = logging.getLogger(__name__)
+
+_META_KEY = "edgeinfer.prepared"
+
+
+class PreparedCache:
+    """Entries under `directory`, named by `key.entry_key`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.safetensors"
+
+    def load(self, key: str, build_meta: Callable[[], nn.Module]) -> nn.Module | None:
+        """The cached model for `key` on a model from `build_meta()`, or None (missing or rejected)."""
+        path = self.path(key)
+        if not path.is_file():
+            return None
+        start = time.perf_counter()
+        try:
+            tensors, spec = _read(path)
+            model = restore(build_meta(), tensors, spec)
+        except Exception as e:  # any damage: unreadable header, digest mismatch, a spec that no longer fits
+            log.warning("prepared cache entry %s rejected (%s); loading afresh", path, e)
+            path.unlink(missing_ok=True)
+            return None
+        log.info("loaded the prepared model from %s in %.2f s", path, time.perf_counter() - start)
+        return model
+
+    def save(self, key: str, model: nn.Module, reference: nn.Module) -> bool:
+        """Store `model` (prepared) for `key`; `reference` is a model built from the same config."""
+        try:
+            tensors, spec = capture(model, reference)
+        except NotCacheable as e:
+            log.info("not caching the prepared model: %s", e)
+            return False
+        path = self.path(key)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        metadata = {_META_KEY: json.dumps({"spec": spec, "digest": _digest(tensors)})}
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk or a read-only cache: serving goes on without the entry
+            log.warning("could not write the prepared cache entry %s: %s", path, e)
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        log.info("cached the prepared model in %s", path)
+        return True
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        meta = json.loads((handle.metadata() or {})[_META_KEY])
+    tensors = load_file(str(path))  # memory-mapped: pages are read as the tensors are touched
+    if _digest(tensors) != meta["digest"]:
+        raise ValueError("tensor bytes do not match the entry's digest")
+    return tensors, meta["spec"]
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """xxh3-128 over names, dtypes, shapes and bytes of every tensor, in name order."""
+    h = xxhash.xxh3_128()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
