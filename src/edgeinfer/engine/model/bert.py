@@ -8,6 +8,7 @@ over the whole batch with a block-diagonal mask (`masked`, kept to compare: its 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +73,7 @@ class PackedBatch:
     @classmethod
     def build(cls, sorted_ids: Sequence[Sequence[int]], device: torch.device) -> PackedBatch:
         lengths = tuple(len(ids) for ids in sorted_ids)
-        if any(b < a for a, b in zip(lengths, lengths[1:], strict=False)):
+        if any(b < a for a, b in itertools.pairwise(lengths)):
             raise ValueError("PackedBatch.build needs sequences sorted by length")
         flat = [t for ids in sorted_ids for t in ids]
         positions = [p for n in lengths for p in range(n)]
@@ -103,10 +104,7 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch, mask: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        if mask is None:
-            attn = _grouped_attention(q, k, v, batch.groups)
-        else:
-            attn = _masked_attention(q, k, v, mask)
+        attn = _grouped_attention(q, k, v, batch.groups) if mask is None else _masked_attention(q, k, v, mask)
         # Post-norm, as BERT: normalise after each residual add.
         x = self.attn_norm(x + self.attn_out(attn.reshape(x.shape)))
         h = F.gelu(self.up(x), approximate=self.gelu_approximate)
