@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgeinfer.node.embeddings import EmbeddingJob
 from edgeinfer.node.jobs import Job, Outcome
 from edgeinfer.node.metering import UsageRecord, UsageStore
 from edgeinfer.node.prices import PriceTable
@@ -25,7 +26,7 @@ class RequestRun:
     under cancellation (client gone), where awaiting is not reliable.
     """
 
-    job: Job
+    job: Job | EmbeddingJob
     tenant: Tenant
     model: str
     admission: Admission

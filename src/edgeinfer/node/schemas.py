@@ -85,9 +85,22 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
-class WorkersAIRunRequest(_Body):
-    """POST /accounts/{account_id}/ai/run/{model}: text generation with `prompt` or `messages`."""
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings."""
 
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    options: RequestOptions | None = None
+
+
+class WorkersAIRunRequest(_Body):
+    """POST /accounts/{account_id}/ai/run/{model}: text generation with `prompt` or `messages`, or text
+    embeddings with `text` (which one the model decides)."""
+
+    text: str | list[str] | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     raw: bool = False
