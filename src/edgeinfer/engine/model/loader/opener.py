@@ -6,6 +6,7 @@ from pathlib import Path
 
 from edgeinfer.engine.model.loader.base import Checkpoint
 from edgeinfer.engine.model.loader.default_embedding import (
+    DEFAULT_EMBEDDING_ALIASES,
     is_default_embedding_model,
     resolve_default_embedding_model,
 )
@@ -39,5 +40,5 @@ def open_checkpoint(path_or_name: str | Path) -> Checkpoint:
         return GGUFCheckpoint(path)
     if path.exists():
         raise CheckpointError(f"{path}: not a regular file or directory")
-    names = ", ".join(sorted(DEFAULT_MODEL_ALIASES))
+    names = ", ".join(sorted(DEFAULT_MODEL_ALIASES | DEFAULT_EMBEDDING_ALIASES))
     raise CheckpointError(f"{path}: no such file or directory (and not a known model name: {names})")
