@@ -102,10 +102,13 @@ class AsyncEmbeddingEngine:
         empty = torch.empty(len(inputs), self.embedder.dim)
         pending = _Pending(loop, loop.create_future(), inputs, self.clock(), empty, len(inputs))
         self._send("add", request_id, pending)
+        answered = False
         try:
-            return await pending.future
+            result = await pending.future
+            answered = True
+            return result
         finally:
-            if not pending.future.done():
+            if not answered:  # cancelled (the future with it) or failed: nothing more to compute
                 self._send("drop", request_id, None)
 
     def stats(self) -> EmbeddingStats:
