@@ -23,6 +23,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if any(not text for text in args.text):
         raise ValueError("--text must not be empty")
+    from edgeinfer.engine.embedding import is_embedding_model
+
+    # Checked before torch loads, so a wrong --model fails at once.
+    if not is_embedding_model(args.model):
+        raise ValueError(
+            f"{args.model}: not an embedding model (a BERT sentence-transformers directory, "
+            f"or {DEFAULT_EMBEDDING_NAME})"
+        )
     from edgeinfer.engine.embedding.config import EmbeddingConfig
     from edgeinfer.engine.embedding.embedder import Embedder
 

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -59,10 +60,12 @@ def resolve_default_embedding_model(cache_dir: Path | None = None) -> Path:
     return target
 
 
+@dataclass(frozen=True)
 class _Archive:
-    def __init__(self, path: Path, recorded: str | None) -> None:
-        self.path = path
-        self.recorded = recorded
+    """The package's model.zip and the sha256 its RECORD lists (None if the installer kept none)."""
+
+    path: Path
+    recorded: str | None
 
 
 def _package_zip() -> _Archive:
