@@ -6,7 +6,9 @@ from __future__ import annotations
 import base64
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,7 +90,11 @@ def _check_inputs(inputs: list[str] | list[list[int]], limits: NodeLimits, param
 
 
 def token_ids(
-    job: EmbeddingJob, tokenize, max_seq_length: int, vocab_size: int, limits: NodeLimits
+    job: EmbeddingJob,
+    tokenize: Callable[[Sequence[str]], list[list[int]]],
+    max_seq_length: int,
+    vocab_size: int,
+    limits: NodeLimits,
 ) -> list[list[int]]:
     """Texts tokenized (truncated to `max_seq_length`); token-id inputs checked against the model."""
     texts = [x for x in job.inputs if isinstance(x, str)]
@@ -130,7 +136,7 @@ def shorten(vectors: torch.Tensor, dimensions: int | None, normalized: bool) -> 
     return torch.nn.functional.normalize(short, dim=-1) if normalized else short
 
 
-def openai_body(job: EmbeddingJob, model: str, vectors: torch.Tensor, usage: Usage) -> dict:
+def openai_body(job: EmbeddingJob, model: str, vectors: torch.Tensor, usage: Usage) -> dict[str, Any]:
     rows = vectors.numpy().astype("<f4", copy=False)
     if job.encoding_format == "base64":
         data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
@@ -144,7 +150,7 @@ def openai_body(job: EmbeddingJob, model: str, vectors: torch.Tensor, usage: Usa
     }
 
 
-def workers_ai_body(vectors: torch.Tensor) -> dict:
+def workers_ai_body(vectors: torch.Tensor) -> dict[str, Any]:
     rows = np.asarray(vectors.numpy(), dtype=np.float32)
     return {
         "result": {"shape": list(rows.shape), "data": rows.tolist()},

@@ -3,7 +3,8 @@
 A batch is one `[T, hidden]` tensor of every sequence's tokens back to back, sequences sorted by length
 so that sequences of equal length sit next to each other. The linear layers see only real tokens;
 attention runs per group of equal-length sequences (`grouped`, one SDPA call per distinct length), or
-over the whole batch with a block-diagonal mask (`masked`, kept to compare: its cost grows with T^2).
+over chunks of the batch with a block-diagonal mask (`masked`, kept to compare: its cost grows with the
+square of the chunk, so chunks hold at most MASK_CHUNK_TOKENS tokens).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from torch import nn
 from edgeinfer.engine.model.hf_config import ConfigError
 
 ATTENTION_MODES = ("grouped", "masked")
+# The scores of a masked chunk are [heads, n, n] fp32: 2048 tokens x 12 heads is 200 MB; a whole batch of
+# 18k tokens would be 16 GB.
+MASK_CHUNK_TOKENS = 2048
 _ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 # Checkpoint tensors the encoder does not use: BERT's pooler (sentence-transformers pools itself),
 # the position-id buffer, masked-LM heads.
@@ -102,9 +106,11 @@ class BertLayer(nn.Module):
         self.out_norm = nn.LayerNorm(a.hidden_size, eps=a.layer_norm_eps)
         self.gelu_approximate = a.gelu_approximate
 
-    def forward(self, x: torch.Tensor, batch: PackedBatch, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: PackedBatch, masks: list[MaskedChunk] | None) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        attn = _grouped_attention(q, k, v, batch.groups) if mask is None else _masked_attention(q, k, v, mask)
+        attn = (
+            _grouped_attention(q, k, v, batch.groups) if masks is None else _masked_attention(q, k, v, masks)
+        )
         # Post-norm, as BERT: normalise after each residual add.
         x = self.attn_norm(x + self.attn_out(attn.reshape(x.shape)))
         h = F.gelu(self.up(x), approximate=self.gelu_approximate)
@@ -127,19 +133,35 @@ def _grouped_attention(
     return out
 
 
-def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
-    )
-    return o.transpose(0, 1)
+MaskedChunk = tuple[int, int, torch.Tensor]  # first token, end token, [n, n] bool mask
 
 
-def block_diagonal_mask(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
-    """[T, T] bool: a token attends to the tokens of its own sequence only."""
-    seq = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
-    )
-    return seq[:, None] == seq[None, :]
+def _masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[MaskedChunk]
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for start, end, mask in chunks:
+        qc, kc, vc = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        out[start:end] = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask).transpose(0, 1)
+    return out
+
+
+def block_diagonal_chunks(lengths: Sequence[int], device: torch.device) -> list[MaskedChunk]:
+    """Consecutive sequences in chunks of at most MASK_CHUNK_TOKENS tokens (a longer sequence alone),
+    each with a [n, n] mask where a token attends to the tokens of its own sequence only."""
+    chunks: list[MaskedChunk] = []
+    start, members = 0, []
+    for n in [*lengths, None]:
+        if members and (n is None or sum(members) + n > MASK_CHUNK_TOKENS):
+            seq = torch.repeat_interleave(
+                torch.arange(len(members), device=device), torch.tensor(members, device=device)
+            )
+            end = start + sum(members)
+            chunks.append((start, end, seq[:, None] == seq[None, :]))
+            start, members = end, []
+        if n is not None:
+            members.append(n)
+    return chunks
 
 
 class BertEncoder(nn.Module):
@@ -161,9 +183,9 @@ class BertEncoder(nn.Module):
         # Single-segment inputs: every token has token type 0.
         x = self.word_embeddings(batch.input_ids) + self.position_embeddings(batch.positions)
         x = self.embed_norm(x + self.token_type_embeddings.weight[0])
-        mask = block_diagonal_mask(batch.lengths, x.device) if self.attention == "masked" else None
+        masks = block_diagonal_chunks(batch.lengths, x.device) if self.attention == "masked" else None
         for layer in self.layers:
-            x = layer(x, batch, mask)
+            x = layer(x, batch, masks)
         return x
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
