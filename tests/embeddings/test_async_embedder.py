@@ -35,7 +35,7 @@ def test_burst_shares_one_forward_pass(engine: AsyncEmbeddingEngine, embedder_fp
     assert engine.stats().forward_passes == 1
     assert all(r.batch_sizes == [24] for r in results)
     torch.testing.assert_close(
-        torch.cat([r.vectors for r in results]), embedder_fp32.embed(ids), atol=2e-6, rtol=0
+        torch.cat([torch.from_numpy(r.vectors) for r in results]), embedder_fp32.embed(ids), atol=2e-6, rtol=0
     )
     assert [r.num_tokens for r in results] == [len(x) for x in ids]
 

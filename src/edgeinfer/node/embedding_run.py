@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 from starlette.requests import Request
 
 from edgeinfer.node.config import NodeLimits
@@ -27,7 +27,7 @@ STATUS_CLIENT_CLOSED = 499
 class EmbeddingOutcome:
     """What a route renders; `vectors` already cut to the requested dimensions."""
 
-    vectors: torch.Tensor
+    vectors: np.ndarray
     usage: Usage
     request_id: str
     timing: str

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from edgeinfer.node.config import NodeLimits
 from edgeinfer.node.errors import ApiError, bad_request
@@ -123,7 +122,7 @@ def token_ids(
     return ids
 
 
-def shorten(vectors: torch.Tensor, dimensions: int | None, normalized: bool) -> torch.Tensor:
+def shorten(vectors: np.ndarray, dimensions: int | None, normalized: bool) -> np.ndarray:
     """The first `dimensions` components (as OpenAI's `dimensions`), re-normalised when the model's
     vectors are unit length, so cosine similarity keeps working."""
     if dimensions is None or dimensions == vectors.shape[1]:
@@ -133,11 +132,13 @@ def shorten(vectors: torch.Tensor, dimensions: int | None, normalized: bool) -> 
             f"dimensions {dimensions} is above this model's {vectors.shape[1]} dimensions", "dimensions"
         )
     short = vectors[:, :dimensions]
-    return torch.nn.functional.normalize(short, dim=-1) if normalized else short
+    if not normalized:
+        return short
+    return short / np.maximum(np.linalg.norm(short, axis=1, keepdims=True), 1e-12)
 
 
-def openai_body(job: EmbeddingJob, model: str, vectors: torch.Tensor, usage: Usage) -> dict[str, Any]:
-    rows = vectors.numpy().astype("<f4", copy=False)
+def openai_body(job: EmbeddingJob, model: str, vectors: np.ndarray, usage: Usage) -> dict[str, Any]:
+    rows = vectors.astype("<f4", copy=False)
     if job.encoding_format == "base64":
         data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
     else:
@@ -150,8 +151,8 @@ def openai_body(job: EmbeddingJob, model: str, vectors: torch.Tensor, usage: Usa
     }
 
 
-def workers_ai_body(vectors: torch.Tensor) -> dict[str, Any]:
-    rows = np.asarray(vectors.numpy(), dtype=np.float32)
+def workers_ai_body(vectors: np.ndarray) -> dict[str, Any]:
+    rows = vectors.astype(np.float32, copy=False)
     return {
         "result": {"shape": list(rows.shape), "data": rows.tolist()},
         "success": True,

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from edgeinfer.engine.embedding.config import EmbeddingConfig
 from edgeinfer.engine.embedding.embedder import Embedder
@@ -26,10 +26,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EmbeddingResult:
-    """`vectors` [n, dim] fp32 in input order; `batch_sizes`: inputs in each forward pass this request
-    shared; `queue_s`: arrival to its first forward pass; `e2e_s`: arrival to its last."""
+    """`vectors` [n, dim] float32 in input order (numpy, so the node needs no torch); `batch_sizes`:
+    inputs in each forward pass this request shared; `queue_s`: arrival to its first forward pass;
+    `e2e_s`: arrival to its last."""
 
-    vectors: torch.Tensor
+    vectors: np.ndarray
     num_tokens: int
     batch_sizes: list[int]
     queue_s: float
@@ -50,7 +51,7 @@ class _Pending:
     future: asyncio.Future[EmbeddingResult]
     inputs: Sequence[Sequence[int]]
     arrival: float
-    vectors: torch.Tensor
+    vectors: np.ndarray
     remaining: int
     batch_sizes: list[int] = field(default_factory=list)
     first_forward: float | None = None
@@ -99,7 +100,7 @@ class AsyncEmbeddingEngine:
         """Embed every input; cancelling the caller drops the inputs not yet embedded."""
         self.validate(inputs)
         loop = asyncio.get_running_loop()
-        empty = torch.empty(len(inputs), self.embedder.dim)
+        empty = np.empty((len(inputs), self.embedder.dim), dtype=np.float32)
         pending = _Pending(loop, loop.create_future(), inputs, self.clock(), empty, len(inputs))
         self._send("add", request_id, pending)
         answered = False
@@ -164,7 +165,9 @@ class AsyncEmbeddingEngine:
         started = self.clock()
         self._running = 1
         try:
-            vectors = self.embedder.embed([self._pending[it.request_id].inputs[it.index] for it in items])
+            vectors = self.embedder.embed(
+                [self._pending[it.request_id].inputs[it.index] for it in items]
+            ).numpy()
         except Exception as exc:  # a failed pass fails its requests, never the loop
             log.exception("embedding forward pass failed")
             for request_id in {it.request_id for it in items}:
@@ -177,7 +180,7 @@ class AsyncEmbeddingEngine:
         for row, item in enumerate(items):
             self._store(item, vectors[row], len(items), started)
 
-    def _store(self, item: EmbedItem, vector: torch.Tensor, batch_size: int, started: float) -> None:
+    def _store(self, item: EmbedItem, vector: np.ndarray, batch_size: int, started: float) -> None:
         pending = self._pending.get(item.request_id)
         if pending is None:
             return

@@ -81,14 +81,11 @@ class PackedBatch:
             raise ValueError("PackedBatch.build needs sequences sorted by length")
         flat = [t for ids in sorted_ids for t in ids]
         positions = [p for n in lengths for p in range(n)]
-        groups, start, i = [], 0, 0
-        while i < len(lengths):
-            j = i
-            while j < len(lengths) and lengths[j] == lengths[i]:
-                j += 1
-            groups.append((start, j - i, lengths[i]))
-            start += (j - i) * lengths[i]
-            i = j
+        groups, start = [], 0
+        for length, run in itertools.groupby(lengths):
+            n = len(list(run))
+            groups.append((start, n, length))
+            start += n * length
         as_long = dict(dtype=torch.long, device=device)
         return cls(torch.tensor(flat, **as_long), torch.tensor(positions, **as_long), lengths, tuple(groups))
 
@@ -124,11 +121,8 @@ def _grouped_attention(
     out = torch.empty_like(q)
     for start, n, length in groups:
         end = start + n * length
-
-        def heads(t: torch.Tensor, s: int = start, e: int = end, b: int = n, L: int = length) -> torch.Tensor:
-            return t[s:e].view(b, L, *t.shape[1:]).transpose(1, 2)
-
-        o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))
+        qg, kg, vg = (t[start:end].view(n, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qg, kg, vg)
         out[start:end] = o.transpose(1, 2).reshape(end - start, *q.shape[1:])
     return out
 
