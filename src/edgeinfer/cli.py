@@ -1,4 +1,4 @@
-"""One CLI, `edgeinfer`: generate, serve, bench, quantize, compress, eval.
+"""One CLI, `edgeinfer`: generate, embed, serve, bench, quantize, compress, eval.
 
 Each room owns its subcommand in its own `cli.py` (`add_arguments(parser)` and `run(args) -> int`);
 this file only routes. Errors the user can fix end as one line on stderr and exit code 2.
@@ -14,6 +14,7 @@ import sys
 # subcommand → (module, help). Modules import lazily so `edgeinfer generate` never loads the server.
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("edgeinfer.engine.cli", "generate a completion for one prompt (text to stdout)"),
+    "embed": ("edgeinfer.engine.embedding.cli", "embed texts; print the vectors' shape and first values"),
     "serve": ("edgeinfer.node.cli", "run the node server (OpenAI and Workers-AI APIs)"),
     "bench": ("edgeinfer.bench.cli", "benchmark a running OpenAI-compatible server"),
     "quantize": ("edgeinfer.engine.quant.cli", "write a weight-quantized checkpoint"),

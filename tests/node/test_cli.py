@@ -16,10 +16,12 @@ def _parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_default_model_and_its_workers_ai_alias() -> None:
-    (spec,) = build_specs(_parse())
+def test_default_models_and_their_workers_ai_aliases() -> None:
+    spec, embedding = build_specs(_parse())
     assert (spec.name, spec.kind, spec.target) == ("gemma-3-270m", "local", "gemma-3-270m")
     assert spec.aliases == ("@cf/google/gemma-3-270m",)
+    assert (embedding.name, embedding.target) == ("all-minilm-l6-v2", "all-minilm-l6-v2")
+    assert embedding.aliases == ("@cf/sentence-transformers/all-minilm-l6-v2",)
 
 
 def test_models_upstreams_aliases_pins_and_limits() -> None:

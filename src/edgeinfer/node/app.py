@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from edgeinfer import __version__
-from edgeinfer.node import error_handlers, routes_openai, routes_ops, routes_workers_ai
+from edgeinfer.node import error_handlers, routes_embeddings, routes_openai, routes_ops, routes_workers_ai
 from edgeinfer.node.config import NodeConfig
 from edgeinfer.node.files import load_table
 from edgeinfer.node.metering import UsageStore
@@ -22,7 +22,7 @@ from edgeinfer.node.service import NodeService
 from edgeinfer.node.tenants import TenantRegistry
 from edgeinfer.obs.metrics import EngineGauges, NodeMetrics
 from edgeinfer.pool.manager import ModelPool
-from edgeinfer.pool.member import LocalMember
+from edgeinfer.pool.member import EmbeddingMember, LocalMember
 
 logger = logging.getLogger("edgeinfer.node")
 
@@ -54,6 +54,9 @@ def engine_gauges(pool: ModelPool) -> dict[str, EngineGauges]:
                 s.prefix_cache_hits,
                 s.num_preemptions,
             )
+        elif isinstance(member, EmbeddingMember):
+            e = member.engine.stats()
+            gauges[name] = EngineGauges(e.num_running, e.num_waiting)
         else:
             gauges[name] = EngineGauges(num_running=pool.in_flight(name), num_waiting=0)
     return gauges
@@ -106,7 +109,7 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
     app.state.node_config = config
     app.state.ready = False
     error_handlers.install(app)
-    for module in (routes_openai, routes_workers_ai, routes_ops):
+    for module in (routes_openai, routes_embeddings, routes_workers_ai, routes_ops):
         app.include_router(module.router)
     app.add_middleware(
         NodeMiddleware,

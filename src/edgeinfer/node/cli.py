@@ -20,6 +20,8 @@ from edgeinfer.pool.spec import (
 
 DEFAULT_MODEL = "gemma-3-270m"
 DEFAULT_ALIASES = ("@cf/google/gemma-3-270m",)
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
+DEFAULT_EMBEDDING_ALIASES = ("@cf/sentence-transformers/all-minilm-l6-v2",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help=f"register a local model (repeatable; names may contain '/'); default {DEFAULT_MODEL}",
+        help=f"register a local model (repeatable; names may contain '/'); default {DEFAULT_MODEL} and "
+        f"the embedding model {DEFAULT_EMBEDDING_MODEL}",
     )
     models.add_argument(
         "--upstream",
@@ -172,6 +175,7 @@ _LIMIT_HELP = {
     "max_body_bytes": "request body bytes",
     "max_queue_depth": "requests waiting per model before 429 (code 3040)",
     "workers_ai_default_max_tokens": "max_tokens when a Workers-AI request gives none",
+    "max_embedding_inputs": "inputs per embeddings request",
 }
 
 
@@ -206,19 +210,29 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
 def build_specs(args: argparse.Namespace) -> list[MemberSpec]:
     specs = [parse_model_arg(v) for v in args.model] + [parse_upstream_arg(v) for v in args.upstream]
     if not specs:
-        specs = [MemberSpec(DEFAULT_MODEL, LOCAL, DEFAULT_MODEL)]
+        specs = [
+            MemberSpec(DEFAULT_MODEL, LOCAL, DEFAULT_MODEL),
+            MemberSpec(DEFAULT_EMBEDDING_MODEL, LOCAL, DEFAULT_EMBEDDING_MODEL),
+        ]
     aliases: dict[str, list[str]] = {}
     for value in args.alias:
         alias, name = parse_alias_arg(value)
         aliases.setdefault(name, []).append(alias)
-    for alias in DEFAULT_ALIASES:
-        aliases.setdefault(DEFAULT_MODEL, []).append(alias)
+    defaults = {DEFAULT_MODEL: DEFAULT_ALIASES, DEFAULT_EMBEDDING_MODEL: DEFAULT_EMBEDDING_ALIASES}
+    for name, default_aliases in defaults.items():
+        aliases.setdefault(name, []).extend(default_aliases)
     names = {s.name for s in specs}
-    unknown = (set(args.pin) | {n for n in aliases if n != DEFAULT_MODEL}) - names
+    unknown = (set(args.pin) | {n for n in aliases if n not in defaults}) - names
     if unknown:
         raise ValueError(f"--pin/--alias name unknown model(s): {', '.join(sorted(unknown))}")
     return [
-        MemberSpec(s.name, s.kind, s.target, tuple(aliases.get(s.name, ())), s.name in args.pin)
+        MemberSpec(
+            s.name,
+            s.kind,
+            s.target,
+            tuple(a for a in aliases.get(s.name, ()) if a != s.name),
+            s.name in args.pin,
+        )
         for s in specs
     ]
 

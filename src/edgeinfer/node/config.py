@@ -25,6 +25,8 @@ class NodeLimits:
     max_body_bytes: int = 4 * 1024 * 1024
     max_queue_depth: int = 256
     workers_ai_default_max_tokens: int = 256
+    # OpenAI's own limit on inputs per embeddings request.
+    max_embedding_inputs: int = 2048
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

@@ -1,14 +1,20 @@
-"""Workers-AI compatible route: POST /accounts/{account_id}/ai/run/{model} (model names may hold slashes)."""
+"""Workers-AI compatible route: POST /accounts/{account_id}/ai/run/{model} (model names may hold slashes).
+
+The model decides the task: text generation (`prompt` or `messages`) or text embeddings (`text`).
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from edgeinfer.node.auth import AuthTenant
+from edgeinfer.node.embedding_run import STATUS_CLIENT_CLOSED
+from edgeinfer.node.embeddings import workers_ai_body, workers_ai_embedding_job
 from edgeinfer.node.prepare import workers_ai_job
 from edgeinfer.node.render import WorkersAIRenderer
 from edgeinfer.node.schemas import WorkersAIRunRequest
+from edgeinfer.pool.member import EMBED
 
 router = APIRouter()
 
@@ -21,7 +27,18 @@ async def run_model(
     request: Request,
     tenant: AuthTenant,
 ) -> Response:
-    """Text generation. The account id is accepted for compatibility; the API key decides the tenant."""
+    """Run a model. The account id is accepted for compatibility; the API key decides the tenant."""
     service = request.app.state.service
+    if service.model_task(model) == EMBED:
+        return await _embed(model, body, request, tenant)
     job = workers_ai_job(model, body, await request.json(), service.limits)
     return await service.execute(request, tenant, job, WorkersAIRenderer)
+
+
+async def _embed(model: str, body: WorkersAIRunRequest, request: Request, tenant: AuthTenant) -> Response:
+    service = request.app.state.service
+    outcome = await service.embed(request, tenant, workers_ai_embedding_job(model, body, service.limits))
+    if outcome is None:
+        return Response(status_code=STATUS_CLIENT_CLOSED)
+    headers = {"x-edgeinfer-timing": outcome.timing}
+    return JSONResponse(workers_ai_body(outcome.vectors), headers=headers)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgeinfer.node.capacity import Reservation
+from edgeinfer.node.embeddings import EmbeddingJob
 from edgeinfer.node.jobs import Job, Outcome
 from edgeinfer.node.metering import STATUS_INTERRUPTED, UsageRecord, UsageStore
 from edgeinfer.node.prices import PriceTable
@@ -30,7 +31,7 @@ class RequestRun:
     From `start` to `finish` the run is in `live` (keyed by its request id), where `checkpoint` finds it.
     """
 
-    job: Job
+    job: Job | EmbeddingJob
     tenant: Tenant
     model: str
     admission: Admission

@@ -120,9 +120,22 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class WorkersAIRunRequest(_RequestBody):
-    """POST /accounts/{account_id}/ai/run/{model}: text generation with `prompt` or `messages`."""
+class EmbeddingRequest(_RequestBody):
+    """POST /v1/embeddings."""
 
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    options: RequestOptions | None = None
+
+
+class WorkersAIRunRequest(_RequestBody):
+    """POST /accounts/{account_id}/ai/run/{model}: text generation with `prompt` or `messages`, or text
+    embeddings with `text` (which one the model decides)."""
+
+    text: str | list[str] | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     raw: bool = False

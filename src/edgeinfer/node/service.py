@@ -16,6 +16,8 @@ from starlette.requests import Request
 from edgeinfer.node.capacity import Capacity
 from edgeinfer.node.config import NodeLimits
 from edgeinfer.node.disconnect import ClientDisconnected, until_disconnect
+from edgeinfer.node.embedding_run import EmbeddingOutcome, embedding_inputs, run_embeddings
+from edgeinfer.node.embeddings import EmbeddingJob, wrong_task
 from edgeinfer.node.errors import (
     ApiError,
     bad_request,
@@ -39,7 +41,7 @@ from edgeinfer.node.tenants import Tenant, TenantRegistry
 from edgeinfer.node.upstream_backend import UpstreamBackend
 from edgeinfer.obs.metrics import NodeMetrics
 from edgeinfer.pool.manager import Lease, ModelPool, PoolCapacityError, UnknownModelError
-from edgeinfer.pool.member import LocalMember, PoolMember
+from edgeinfer.pool.member import EMBED, LocalMember, PoolMember
 from edgeinfer.pool.upstream import UpstreamError, UpstreamMember
 
 logger = logging.getLogger("edgeinfer.node")
@@ -77,6 +79,8 @@ class NodeService:
         )
         model = self._resolve(job.model)
         access["model"] = model
+        if self.pool.task(model) == EMBED:
+            raise wrong_task(model, EMBED)
         headers: dict[str, str] = {}
         if affinity := request.headers.get("x-session-affinity"):
             headers["x-session-affinity"] = access["session_affinity"] = affinity
@@ -85,6 +89,43 @@ class NodeService:
         if job.stream:
             return await self._stream(request, run, backend, renderer, headers)
         return await self._respond(request, run, backend, renderer, headers)
+
+    def model_task(self, name: str) -> str:
+        """generate or embed, for a model name or alias (404 if unknown)."""
+        return self.pool.task(self._resolve(name))
+
+    async def embed(self, request: Request, tenant: Tenant, job: EmbeddingJob) -> EmbeddingOutcome | None:
+        """Run an embeddings job through the same admission, pool, limits and metering as generation;
+        None when the client went away before the vectors were ready."""
+        access = request.state.access
+        access.update(response_id=job.request_id, tenant=tenant.name, endpoint=job.endpoint, stream=False)
+        model = self._resolve(job.model)
+        access["model"] = model
+        if self.pool.task(model) != EMBED:
+            raise wrong_task(model, self.pool.task(model))
+        admission = _admit(self.limiter, tenant)
+        try:
+            self._check_load_queue(model, job)
+            lease = await self._acquire(model)
+        except BaseException:
+            admission.cancel()
+            raise
+        run = RequestRun(
+            job, tenant, model, admission, lease, self.metrics, self.store, self.prices, access, self._live
+        )
+        try:
+            ids = await embedding_inputs(run, self.limits)
+            try:
+                admission.reserve_tokens(sum(len(seq) for seq in ids))
+            except RateLimitExceeded as exc:
+                raise _limit_error(exc) from None
+        except ApiError as exc:
+            run.finish(exc.status)
+            raise
+        except BaseException:
+            run.finish(500)
+            raise
+        return await run_embeddings(request, run, ids)
 
     def _resolve(self, name: str) -> str:
         try:
@@ -125,7 +166,7 @@ class NodeService:
             raise
         return run, backend
 
-    def _check_load_queue(self, model: str, job: Job) -> None:
+    def _check_load_queue(self, model: str, job: Job | EmbeddingJob) -> None:
         if job.reject_if_busy and not self.pool.is_resident(model):
             self.pool.prefetch(model)  # so that a retry finds it warm
             raise busy(f"model {model} is not loaded yet (rejectIfBusy); it is loading now, retry shortly")

@@ -25,6 +25,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,16 @@ class NodeMetrics:
             ["model", "code"],
             registry=r,
         )
+        self.embedding_inputs = Counter(
+            PREFIX + "embedding_inputs", "Inputs embedded (texts or token-id lists).", ["model"], registry=r
+        )
+        self.embedding_batch_size = Histogram(
+            PREFIX + "embedding_batch_size",
+            "Inputs in each forward pass an embeddings request shared (observed once per pass per request).",
+            ["model"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         self.canary = Counter(
             PREFIX + "canary_events",
             "Garbage-output canary hits (nonfinite_logits, degenerate_repetition).",
@@ -148,6 +159,12 @@ class NodeMetrics:
         itl = self.itl.labels(m.model)
         for gap in m.inter_token_latencies:
             itl.observe(gap)
+
+    def observe_embedding(self, model: str, inputs: int, batch_sizes: Sequence[int]) -> None:
+        self.embedding_inputs.labels(model).inc(inputs)
+        hist = self.embedding_batch_size.labels(model)
+        for size in batch_sizes:
+            hist.observe(size)
 
     def canary_hit(self, model: str, version: str, kind: str) -> None:
         self.canary.labels(model, version, kind).inc()

@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edgeinfer.pool.member import LocalMember, PoolMember
+from edgeinfer.pool.member import EMBED, GENERATE, EmbeddingMember, LocalMember, PoolMember
 from edgeinfer.pool.spec import LOCAL, MemberSpec
 from edgeinfer.pool.upstream import UpstreamMember
 
@@ -28,6 +28,10 @@ class MemberLoader(abc.ABC):
     @abc.abstractmethod
     async def load(self, spec: MemberSpec) -> PoolMember: ...
 
+    def task(self, spec: MemberSpec) -> str:
+        """What the member serves: GENERATE (text) or EMBED (vectors). Known without loading it."""
+        return GENERATE
+
 
 class EngineLoader(MemberLoader):
     """Local members become `AsyncLLMEngine`s built from `engine_config` with the spec's checkpoint."""
@@ -41,11 +45,21 @@ class EngineLoader(MemberLoader):
         larger than this; the pool learns the true size after the first load."""
         if spec.kind != LOCAL:
             return 0
-        return checkpoint_bytes(resolve_checkpoint_path(spec.target)) + self._kv_bytes()
+        weights = checkpoint_bytes(resolve_checkpoint_path(spec.target))
+        return weights if self.task(spec) == EMBED else weights + self._kv_bytes()
+
+    def task(self, spec: MemberSpec) -> str:
+        if spec.kind != LOCAL:
+            return GENERATE
+        from edgeinfer.engine.embedding import is_embedding_model
+
+        return EMBED if is_embedding_model(spec.target) else GENERATE
 
     async def load(self, spec: MemberSpec) -> PoolMember:
         if spec.kind != LOCAL:
             return await UpstreamMember.connect(spec.name, spec.target, self._upstream_timeout_s)
+        if self.task(spec) == EMBED:
+            return await self._load_embedding(spec)
         from edgeinfer.engine.async_engine import AsyncLLMEngine
 
         config = dataclasses.replace(self._engine_config, model=spec.target)
@@ -53,6 +67,15 @@ class EngineLoader(MemberLoader):
         engine = await asyncio.to_thread(AsyncLLMEngine.from_config, config)
         version = checkpoint_version(resolve_checkpoint_path(spec.target), config.quantization)
         return LocalMember(spec.name, engine, version, config.max_num_seqs)
+
+    async def _load_embedding(self, spec: MemberSpec) -> PoolMember:
+        from edgeinfer.engine.embedding.async_embedder import AsyncEmbeddingEngine
+        from edgeinfer.engine.embedding.config import EmbeddingConfig
+
+        config = EmbeddingConfig.from_engine_config(self._engine_config, spec.target)
+        engine = await asyncio.to_thread(AsyncEmbeddingEngine.from_config, config)
+        version = checkpoint_version(engine.embedder.path, config.dtype)
+        return EmbeddingMember(spec.name, engine, version)
 
     def _kv_bytes(self) -> int:
         return int(self._engine_config.kv_cache_memory_bytes)

@@ -84,6 +84,7 @@ class _Slot:
     in_flight: int = 0
     waiting_for_load: int = 0
     last_used: float = 0.0
+    task: str | None = None
 
     @property
     def pinned(self) -> bool:
@@ -136,6 +137,13 @@ class ModelPool:
 
     def spec(self, name: str) -> MemberSpec:
         return self._slots[self.resolve(name)].spec
+
+    def task(self, name: str) -> str:
+        """What a member serves (generate or embed), known before it loads; asked once, then kept."""
+        slot = self._slots[self.resolve(name)]
+        if slot.task is None:
+            slot.task = self._loader.task(slot.spec)
+        return slot.task
 
     def residents(self) -> dict[str, PoolMember]:
         return {name: slot.member for name, slot in self._slots.items() if slot.member is not None}

@@ -7,6 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from edgeinfer.engine.async_engine import AsyncLLMEngine
+    from edgeinfer.engine.embedding.async_embedder import AsyncEmbeddingEngine
+
+GENERATE = "generate"
+EMBED = "embed"
 
 
 class PoolMember(abc.ABC):
@@ -43,6 +47,23 @@ class LocalMember(PoolMember):
     @property
     def max_model_len(self) -> int:
         return int(self.engine.max_model_len)
+
+    def memory_bytes(self) -> int:
+        return int(self.engine.memory_bytes())
+
+    async def close(self) -> None:
+        await self.engine.shutdown()
+
+
+class EmbeddingMember(PoolMember):
+    """An `AsyncEmbeddingEngine` (an encoder model) resident in this process."""
+
+    kind = "local"
+
+    def __init__(self, name: str, engine: AsyncEmbeddingEngine, version: str) -> None:
+        self.name = name
+        self.engine = engine
+        self.version = version
 
     def memory_bytes(self) -> int:
         return int(self.engine.memory_bytes())

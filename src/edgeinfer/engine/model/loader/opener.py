@@ -5,6 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from edgeinfer.engine.model.loader.base import Checkpoint
+from edgeinfer.engine.model.loader.default_embedding import (
+    DEFAULT_EMBEDDING_ALIASES,
+    is_default_embedding_model,
+    resolve_default_embedding_model,
+)
 from edgeinfer.engine.model.loader.default_model import (
     DEFAULT_MODEL_ALIASES,
     is_default_model,
@@ -17,13 +22,16 @@ from edgeinfer.engine.model.loader.safetensors_checkpoint import SafetensorsChec
 
 
 def open_checkpoint(path_or_name: str | Path) -> Checkpoint:
-    """Open an HF directory (config.json + *.safetensors or model.eiz), a `.gguf` file, or the default model.
+    """Open an HF directory (config.json + *.safetensors or model.eiz), a `.gguf` file, or a default model by
+    name (the generation model, or the embedding model).
 
     Only headers are read here; tensors are read when `iter_tensors` is iterated. Every problem (missing path,
     no weights, unsupported architecture, truncated or corrupt file) raises `CheckpointError` naming the file.
     """
     if isinstance(path_or_name, str) and is_default_model(path_or_name):
         return GGUFCheckpoint(resolve_default_model(path_or_name))
+    if isinstance(path_or_name, str) and is_default_embedding_model(path_or_name):
+        return SafetensorsCheckpoint(resolve_default_embedding_model())
     path = Path(path_or_name).expanduser()
     if path.is_dir():
         return EizCheckpoint(path) if is_eiz_directory(path) else SafetensorsCheckpoint(path)
@@ -33,5 +41,5 @@ def open_checkpoint(path_or_name: str | Path) -> Checkpoint:
         return GGUFCheckpoint(path)
     if path.exists():
         raise CheckpointError(f"{path}: not a regular file or directory")
-    names = ", ".join(sorted(DEFAULT_MODEL_ALIASES))
+    names = ", ".join(sorted(DEFAULT_MODEL_ALIASES | DEFAULT_EMBEDDING_ALIASES))
     raise CheckpointError(f"{path}: no such file or directory (and not a known model name: {names})")

@@ -1,0 +1,78 @@
+"""Embedder: a sentence-transformers directory as tokenizer + packed encoder + pooling, run synchronously."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoTokenizer
+
+from edgeinfer.engine.embedding.config import EmbeddingConfig
+from edgeinfer.engine.embedding.sentence_config import SentenceConfig, read_sentence_config
+from edgeinfer.engine.loading import resolve_dtype
+from edgeinfer.engine.model.bert import PackedBatch
+from edgeinfer.engine.model.encoders import build_encoder, is_encoder_config
+from edgeinfer.engine.model.loader import CheckpointError, open_checkpoint
+from edgeinfer.engine.model.loader.safetensors_checkpoint import SafetensorsCheckpoint
+from edgeinfer.engine.model.pooling import pool
+
+log = logging.getLogger(__name__)
+
+
+class Embedder:
+    """Token ids in, one fp32 vector per input out. Inputs of any length mix in one forward pass."""
+
+    def __init__(self, config: EmbeddingConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        ckpt = open_checkpoint(config.model)
+        if not isinstance(ckpt, SafetensorsCheckpoint) or not is_encoder_config(ckpt.config):
+            raise CheckpointError(
+                f"{config.model}: not an embedding model (a BERT sentence-transformers dir)"
+            )
+        self.path = ckpt.path
+        self.sentence: SentenceConfig = read_sentence_config(ckpt.path, ckpt.config)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(ckpt.path))
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        with torch.device(self.device):
+            model = build_encoder(ckpt.config, config.attention).to(self.dtype)
+        model.load_weights(ckpt.iter_tensors(self.dtype))
+        self.model = model.eval().requires_grad_(False)
+        self.dim: int = model.args.hidden_size
+        self.vocab_size: int = model.args.vocab_size
+        self.max_seq_length: int = self.sentence.max_seq_length
+        log.info(
+            "embedding model ready: %s, %s, dim %d, %s pooling%s, max %d tokens",
+            config.model,
+            self.dtype,
+            self.dim,
+            self.sentence.pooling,
+            " + normalize" if self.sentence.normalize else "",
+            self.max_seq_length,
+        )
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids with the special tokens, truncated to the model's maximum length (as
+        sentence-transformers truncates)."""
+        if not texts:
+            return []
+        enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_seq_length)
+        return [list(ids) for ids in enc["input_ids"]]
+
+    @torch.inference_mode()
+    def embed(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """[n, dim] fp32 vectors, in the order of `inputs` (each non-empty, at most max_seq_length)."""
+        if not inputs:
+            return torch.empty(0, self.dim)
+        # Sorted by length so that equal lengths are adjacent (grouped attention); unsorted at the end.
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+        batch = PackedBatch.build([inputs[i] for i in order], self.device)
+        hidden = self.model(batch)
+        vectors = pool(hidden, batch.lengths, self.sentence.pooling, self.sentence.normalize)
+        out = torch.empty_like(vectors)
+        out[torch.tensor(order, device=vectors.device)] = vectors
+        return out.cpu()
+
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
