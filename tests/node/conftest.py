@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from helpers.node_engine import TEST_ENGINE
 from helpers.tiny_models import make_tiny
 
 from edgeinfer.engine.config import EngineConfig
@@ -28,9 +29,6 @@ from edgeinfer.node.service import NodeService
 from edgeinfer.pool.loader import EngineLoader
 from edgeinfer.pool.manager import ModelPool
 from edgeinfer.pool.spec import LOCAL, UPSTREAM, MemberSpec
-
-# Small KV pools keep every engine a few hundred KiB; float32 keeps results deterministic.
-TEST_ENGINE = EngineConfig(dtype="float32", batch_window_ms=0, block_size=4, kv_cache_memory_bytes=256 * 1024)
 
 
 @pytest.fixture(scope="session")

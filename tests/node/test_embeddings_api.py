@@ -147,7 +147,7 @@ def test_usage_is_metered_and_metrics_count_batches(node: LiveServer) -> None:
 
 
 def test_embedding_model_shares_the_pool_budget(node_factory: NodeFactory, tiny_llama_dir: str) -> None:
-    from conftest import TEST_ENGINE
+    from helpers.node_engine import TEST_ENGINE
 
     from edgeinfer.pool.loader import EngineLoader
     from edgeinfer.pool.spec import LOCAL, MemberSpec
