@@ -19,6 +19,7 @@ from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
 from edgeinfer.engine.runner.runner import ModelRunner
 from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig
+from edgeinfer.engine.threads import use_threads
 from edgeinfer.engine.tokenizer import Tokenizer
 from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams
 
@@ -54,6 +55,7 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.device = torch.device(config.device)
+        use_threads(config.threads)
         ckpt = open_checkpoint(config.model)
         self.checkpoint = ckpt
         self.model_config = ckpt.config
