@@ -38,11 +38,12 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 PEERS_DIR = REPO / "bench" / ".peers"
 TARGETS = ("llama-server", "llama-quantize", "llama-imatrix")
 
-# GGML_NATIVE tunes for this CPU (AVX-512, bf16, VNNI here); the UI and TLS are switched off because the build
-# has no network and the benchmark needs neither.
+# The UI and TLS are switched off because the build has no network and the benchmark needs neither. The CPU
+# features come from `cpu_cmake_flags`, not GGML_NATIVE: on an Intel Xeon with AMX, GGML_NATIVE=ON built
+# AMX code paths that died with an illegal instruction at model load.
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
+    "-DGGML_NATIVE=OFF",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
@@ -52,6 +53,38 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_SERVER=ON",
     "-DLLAMA_BUILD_TOOLS=ON",
 )
+
+
+# ggml's CMake switch for each /proc/cpuinfo flag it can use (GGML_AVX512 also wants BW, DQ and VL).
+_GGML_FEATURES = {
+    "GGML_SSE42": ("sse4_2",),
+    "GGML_AVX": ("avx",),
+    "GGML_AVX2": ("avx2",),
+    "GGML_FMA": ("fma",),
+    "GGML_F16C": ("f16c",),
+    "GGML_BMI2": ("bmi2",),
+    "GGML_AVX_VNNI": ("avx_vnni",),
+    "GGML_AVX512": ("avx512f", "avx512bw", "avx512dq", "avx512vl"),
+    "GGML_AVX512_VBMI": ("avx512_vbmi",),
+    "GGML_AVX512_VNNI": ("avx512_vnni",),
+    "GGML_AVX512_BF16": ("avx512_bf16",),
+}
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_cmake_flags(flags: frozenset[str]) -> tuple[str, ...]:
+    """ggml's instruction-set switches for a CPU with these flags; AMX always off (see CMAKE_FLAGS)."""
+    switches = [f"-D{name}={'ON' if set(need) <= flags else 'OFF'}" for name, need in _GGML_FEATURES.items()]
+    return (*switches, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
 
 
 def build_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
@@ -95,7 +128,8 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) -> Path:
         raise RuntimeError("cmake not found: install cmake and a C++ compiler to build llama.cpp")
     llama_dir = _unpack(_download_sdist(version), version)
     out = build_dir(version)
-    subprocess.run(["cmake", "-S", str(llama_dir), "-B", str(out), *CMAKE_FLAGS], check=True)
+    configure = ["cmake", "-S", str(llama_dir), "-B", str(out), *CMAKE_FLAGS, *cpu_cmake_flags(cpu_flags())]
+    subprocess.run(configure, check=True)
     for target in TARGETS:  # one target at a time keeps peak memory low on a small machine
         subprocess.run(["cmake", "--build", str(out), "--target", target, f"-j{jobs}"], check=True)
     return binary(TARGETS[0], version).parent

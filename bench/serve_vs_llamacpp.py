@@ -41,16 +41,15 @@ from edgeinfer.bench.process import ServerProcess, running_server  # noqa: E402
 from edgeinfer.bench.report import write_json  # noqa: E402
 from edgeinfer.bench.runner import BenchConfig, run_benchmark  # noqa: E402
 from edgeinfer.engine.model.loader.default_model import resolve_default_model  # noqa: E402
+from edgeinfer.engine.threads import available_cores  # noqa: E402
 
 DOCS = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results"
-# Our engine's flags for each precision class (`--ours-args` replaces them if the server's flags differ);
-# int8 and int4 decode products go through our VNNI kernels (`--cpu-gemv`: int4 as W4A8, as llama.cpp
-# multiplies its Q4/Q5 weights by Q8 activations); one-sequence decode steps run compiled (the first
-# warm-up request waits minutes for the graph).
-OUR_PRECISION_ARGS = {"bf16": ["--dtype", "bfloat16", "--compile"],
-                      "int8": ["--quantization", "int8", "--cpu-gemv", "--compile"],
-                      "int4": ["--quantization", "int4", "--cpu-gemv", "--compile"]}  # fmt: skip
+# Our engine's flags for each precision class (`--ours-args` replaces them): the defaults a user gets, so
+# our CPU kernels where the CPU has the features (bf16 decode; int8 and int4 through VNNI, int4 as W4A8,
+# as llama.cpp multiplies its Q4/Q5 weights by Q8 activations) and no compiled graph.
+OUR_PRECISION_ARGS = {"bf16": [], "int8": ["--quantization", "int8"],
+                      "int4": ["--quantization", "int4"]}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -89,9 +88,8 @@ def our_server(model: str, port: int, extra: list[str], threads: int) -> Iterato
     """edgeinfer's node server on 127.0.0.1:`port`, model preloaded (/ready waits for it), stopped on exit."""
     argv = [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", model, "--preload",
             "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
-            "--usage-db", str(RESULTS / "usage.sqlite"), *extra]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+            "--usage-db", str(RESULTS / "usage.sqlite"), "--threads", str(threads), *extra]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     log = RESULTS / "logs" / f"edgeinfer-{port}.log"
     print(f"starting: {shlex.join(argv)}", file=sys.stderr)
     with running_server(argv, f"http://127.0.0.1:{port}", log, "/ready", timeout_s=900, env=env) as server:
@@ -218,7 +216,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts-per-slot", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=int, default=available_cores(), help="default: every core available")
     p.add_argument("--ctx", type=int, default=512, help="llama-server KV tokens per slot")
     p.add_argument("--port", type=int, default=8310, help="llama-server port; ours uses port + 1")
     p.add_argument("--ours-args", default=None, help="extra flags for `edgeinfer serve` (quoted)")

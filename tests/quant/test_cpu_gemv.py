@@ -209,23 +209,22 @@ def test_default_keeps_torchs_kernels_when_the_build_fails(tiny_models, monkeypa
         _engine(tiny_models["llama"], "int8", True)
 
 
-def test_default_never_builds_for_float_models(tiny_models, monkeypatch):
+def test_default_never_builds_for_fp8_models(tiny_models, monkeypatch):
     def unexpected() -> None:
-        raise AssertionError("a float model started the kernel build")
+        raise AssertionError("an fp8 model started the kernel build")
 
     monkeypatch.setattr(kernels, "cpu_has_vnni", lambda: True)
     monkeypatch.setattr(kernels, "load", unexpected)
-    for quantization in (None, "fp8"):
-        assert not _kernels_used(_engine(tiny_models["llama"], quantization, None))
+    assert not _kernels_used(_engine(tiny_models["llama"], "fp8", None))
 
 
-@pytest.mark.parametrize("flags", [[], ["--quantization", "fp8"]])
-def test_serve_refuses_cpu_gemv_without_int8_or_int4_weights(flags, tiny_models, capsys):
+@pytest.mark.parametrize("flags", [["--dtype", "float32"], ["--quantization", "fp8"]])
+def test_serve_refuses_cpu_gemv_without_kernel_weights(flags, tiny_models, capsys):
     from edgeinfer.node.cli import main
 
     assert main(["--model", tiny_models["llama"], "--cpu-gemv", *flags]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "cpu_gemv needs int8 or int4 weights on CPU" in err
+    assert len(err.splitlines()) == 1 and "cpu_gemv needs int8, int4 or bf16 weights on CPU" in err
 
 
 # int8 without the rotation: torch's rotation matmul itself may round differently on two threads

@@ -28,12 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--quantization", default=None, help="weight quantization: int8, int4, fp8")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="threads for the ops (default: every core)")
     p.add_argument(
         "--cpu-gemv",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="int8/int4 through our CPU kernels (int4 as W4A8; docs/quantization.md); default: where the "
-        "CPU has AVX512-VNNI",
+        help="int8/int4/bf16 through our CPU kernels (int4 as W4A8; docs/quantization.md); default: where "
+        "the CPU has the features (AVX512-VNNI for int8/int4, AVX2 for bf16)",
     )
 
 
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             cpu_gemv=args.cpu_gemv,
             batch_window_ms=0,
+            threads=args.threads,
         )
     )
     prompt = args.prompt

@@ -34,12 +34,14 @@ class EngineConfig:
     # than int8 on the 262k-row Gemma lm_head once several sequences decode), else the weights' method;
     # `none` keeps them in float; or any `quantization` value.
     lm_head_quantization: str = "auto"
-    # int8 and int4 layers on CPU multiplied by our AVX512-VNNI kernels (quant/kernels, compiled for this
-    # CPU at first use, ~10 s): int8 products of <= 16 rows bit for bit as `_int_mm`, on the same codes
-    # (Gemma 3 270M's lm_head at one row 17.5 -> 7.8 ms); int4 with activations rounded to int8 per
-    # group (W4A8, as llama.cpp multiplies Q4/Q5 blocks by Q8 ones; perplexity -0.07 % +- 0.30 % against
-    # W4A16): 4x torch's int4 kernel at one row, 1.8x at 512. None (auto): on where the CPU has
-    # AVX512-VNNI and the kernels build (a C++ compiler), else torch's kernels; True insists (an error
+    # Layers on CPU multiplied by our kernels (quant/kernels, compiled at first use, ~20 s, variants
+    # picked by CPU feature at run time). int8 and int4 (AVX512-VNNI): int8 products of <= 16 rows bit
+    # for bit as `_int_mm`, on the same codes (Gemma 3 270M's lm_head at one row 17.5 -> 7.8 ms); int4
+    # with activations rounded to int8 per group (W4A8, as llama.cpp multiplies Q4/Q5 blocks by Q8 ones;
+    # perplexity -0.07 % +- 0.30 % against W4A16): 4x torch's int4 kernel at one row, 1.8x at 512. bf16
+    # linear layers (AVX512-BF16, else AVX-512 / AVX2): products of <= 2 rows, fp32 sums (one-sequence
+    # decode; kernels/bf16.py). None (auto): on where the CPU has the features (VNNI for int8/int4, AVX2
+    # for bf16) and the kernels build (a C++ compiler), else torch's kernels; True insists (an error
     # where they cannot be used); False: torch's kernels.
     cpu_gemv: bool | None = None
     # With `quantization` on a float checkpoint: scale layer inputs by activations measured on a short
@@ -63,6 +65,9 @@ class EngineConfig:
     # Where the prepared-form cache, compiled graphs and kernel builds live; None: $EDGEINFER_CACHE_DIR,
     # else ~/.cache/edgeinfer.
     cache_dir: str | None = None
+    # Threads for torch's ops and our kernels (process-wide: every engine of a process shares them).
+    # None: every core this process may run on (threads.py says why that is the default).
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -78,13 +83,20 @@ class EngineConfig:
                 raise ValueError(f"gptq_calibration is for int4 weights, not {self.quantization}")
             if not self.calibrate_quantization:
                 raise ValueError("gptq_calibration needs calibrate_quantization (GPTQ rounds after scaling)")
-        if self.cpu_gemv is True and (self.device != "cpu" or self._weights_method() not in ("int8", "int4")):
+        if self.cpu_gemv is True and (self.device != "cpu" or not self._has_kernel_weights()):
             raise ValueError(
-                "cpu_gemv needs int8 or int4 weights on CPU: quantization int8 or int4 (for a quantized "
-                "checkpoint too), device cpu"
+                "cpu_gemv needs int8, int4 or bf16 weights on CPU: quantization int8 or int4 (for a "
+                "quantized checkpoint too) or dtype bfloat16 / auto without quantization, device cpu"
             )
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("threads must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")
 
     def _weights_method(self) -> str:
         return (self.quantization or "").partition(":")[0]
+
+    def _has_kernel_weights(self) -> bool:
+        return self._weights_method() in ("int8", "int4") or (
+            not self.quantization and self.dtype in ("auto", "bfloat16")
+        )

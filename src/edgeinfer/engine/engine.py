@@ -24,6 +24,7 @@ from edgeinfer.engine.prepared import cache_root
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.runner import ModelRunner, RunnerOutput
 from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from edgeinfer.engine.threads import use_threads
 from edgeinfer.engine.tokenizer import Tokenizer
 from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob
 
@@ -59,6 +60,7 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.device = torch.device(config.device)
+        use_threads(config.threads)
         ckpt = open_checkpoint(config.model)
         self.checkpoint = ckpt
         self.model_config = ckpt.config

@@ -23,6 +23,7 @@ from edgeinfer.engine.quant.apply import quantize_model
 from edgeinfer.engine.quant.base import WeightMethod, get_weight_method
 from edgeinfer.engine.quant.calibrate import calibration_ids
 from edgeinfer.engine.quant.checkpoint import QuantizationConfig, apply_quantized_checkpoint
+from edgeinfer.engine.quant.kernels.bf16 import GemvLinear, use_bf16_gemv
 from edgeinfer.engine.quant.kv import get_kv_quantizer
 from edgeinfer.engine.quant.layers import PreparedModule
 from edgeinfer.engine.quant.smoothing import scale_for_quantization
@@ -105,9 +106,8 @@ def _load_fresh(
 
 
 def _wants_cpu_gemv(config: EngineConfig, device: torch.device) -> bool:
-    return bool(
-        config.cpu_gemv or (config.cpu_gemv is None and device.type == "cpu" and kernels.cpu_has_vnni())
-    )
+    """Whether the load tries our kernels (which layers take them depends on the CPU's features)."""
+    return device.type == "cpu" and config.cpu_gemv is not False
 
 
 def _gemv_layers(model: nn.Module) -> list[PreparedModule]:
@@ -142,7 +142,8 @@ def _prepared_cache(
         "device": str(device),
         "quantization": config.quantization,
         "lm_head_quantization": config.lm_head_quantization,
-        "cpu_gemv": _wants_cpu_gemv(config, device),
+        # what the load decides from (the layouts differ with the kernels chosen)
+        "cpu_gemv": [config.cpu_gemv, kernels.cpu_has_vnni(), kernels.cpu_has_avx2()],
         "calibrate": config.calibrate_quantization,
         "gptq": config.gptq_calibration,
     }
@@ -165,30 +166,38 @@ def _kernels_ready(model: nn.Module, config: EngineConfig) -> bool:
 
 
 def _use_cpu_gemv(model: nn.Module, required: bool) -> None:
-    """Move the int8 / int4 layers onto our CPU kernels. Asked for (`required`), a model without such
-    layers or a failed build is an error; by default (auto) both leave torch's kernels, the latter with a
-    warning, and float models never start the build."""
+    """Move the int8 / int4 layers and the bf16 linear layers onto our CPU kernels. Asked for
+    (`required`), a model without such layers or a failed build is an error. By default (auto) the
+    int8 / int4 layers switch where the CPU has AVX512-VNNI and bf16 ones where it has AVX2 (below that
+    the kernels would run as plain loops, slower than torch's); a failed build leaves torch's kernels
+    with a warning, and models with neither (fp32, fp8) never start the build."""
     layers = _gemv_layers(model)
-    if not layers and not required:
+    if not required:
+        layers = layers if kernels.cpu_has_vnni() else []
+    float_layers = kernels.count_bf16_linears(model) if required or kernels.cpu_has_avx2() else 0
+    if not layers and not float_layers and not required:
         return
     try:
         kernels.load()
     except kernels.KernelBuildError as e:
         if not required:
-            log.warning("%s; int8/int4 layers keep torch's kernels", e)
+            log.warning("%s; the layers keep torch's kernels", e)
             return
         raise ValueError(f"cpu_gemv: {e}") from None
-    switched = sum(m.use_cpu_gemv() for m in layers)
+    switched = sum(m.use_cpu_gemv() for m in layers) + (use_bf16_gemv(model) if float_layers else 0)
     if not switched and required:
         raise ValueError("cpu_gemv: no layer of this model has a form the CPU GEMV kernels read")
-    log.info("CPU GEMV kernels: %d of %d int8/int4 layers and expert stacks", switched, len(layers))
-    if not torch.ops.edgeinfer_cpu.has_vnni():
-        log.warning("cpu_gemv: no AVX512-VNNI here; the kernels run as plain loops, slower than torch's")
+    log.info("CPU GEMV kernels (%s): %d layers and expert stacks", torch.ops.edgeinfer_cpu.isa(), switched)
+    if layers and not torch.ops.edgeinfer_cpu.has_vnni():
+        log.warning("cpu_gemv: no AVX512-VNNI; the int8/int4 kernels run as plain loops, slower than torch")
 
 
 def uses_cpu_gemv(model: nn.Module) -> bool:
     """Whether any layer of the model multiplies through our CPU kernels."""
-    return any(isinstance(m, PreparedModule) and m.kernel in kernels.KERNELS for m in model.modules())
+    return any(
+        isinstance(m, GemvLinear) or (isinstance(m, PreparedModule) and m.kernel in kernels.KERNELS)
+        for m in model.modules()
+    )
 
 
 def _quantize_float_model(

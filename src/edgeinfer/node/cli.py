@@ -76,8 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-gemv",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="CPU: int8/int4 products through our AVX512-VNNI kernels (int4 as W4A8; built at first use). "
-        "Default: where the CPU has VNNI and the kernels build",
+        help="CPU: products through our kernels (int8/int4 with AVX512-VNNI, int4 as W4A8; bf16 decode "
+        "with AVX512-BF16 / AVX-512 / AVX2; built at first use). Default: where the CPU has the features",
     )
     engine.add_argument(
         "--no-calibrate", action="store_true", help="quantize without activation-aware input scaling"
@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="int4: round by GPTQ calibrated on TEXT (enwiki or a file); minutes at load, see quantize",
     )
     engine.add_argument("--kv-cache-dtype", default="auto")
+    engine.add_argument(
+        "--threads", type=int, default=None, help="threads for the engines' ops (default: every core)"
+    )
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument(
         "--compile",
@@ -275,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         compile=args.compile,
         kv_cache_dtype=args.kv_cache_dtype,
+        threads=args.threads,
     )
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     pool = ModelPool(build_specs(args), EngineLoader(engine_config), budget_bytes=budget)

@@ -12,6 +12,7 @@ from edgeinfer.engine.quant.base import (
     flatten_tokens,
     get_weight_method,
 )
+from edgeinfer.engine.quant.kernels.bf16 import GemvLinear
 
 
 class PreparedModule(nn.Module):
@@ -132,7 +133,7 @@ def logits_fp32(head: nn.Module, hidden: torch.Tensor, out: torch.Tensor | None 
     x = hidden.float() if quantized and head.method.quantizes_activations else hidden
     if out is None:
         return head(x).float()
-    return head.forward_into(x, out) if quantized else out.copy_(head(x))
+    return head.forward_into(x, out) if isinstance(head, (QuantLinear, GemvLinear)) else out.copy_(head(x))
 
 
 class QuantEmbedding(nn.Module):

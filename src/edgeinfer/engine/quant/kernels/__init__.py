@@ -1,14 +1,21 @@
-"""Our CPU GEMV kernels (cpu_gemv.cpp), compiled for this machine's CPU at first use.
+"""Our CPU GEMV kernels (cpu_gemv.cpp, bf16_gemv.cpp): built at first use, picked by CPU feature at run time.
 
-`load()` builds the extension with torch's C++ toolchain (a C++ compiler and ninja; ~10 s once, then cached
-under torch's extension directory) and registers `torch.ops.edgeinfer_cpu.*`. The ops have fake
-implementations, so they run inside `torch.compile` graphs as library calls.
+`load()` builds the extension with torch's C++ toolchain (a C++ compiler and ninja; ~20 s once, then
+cached per source under `$TORCH_EXTENSIONS_DIR` or our cache dir) and registers `torch.ops.edgeinfer_cpu.*`.
+The ops have fake implementations, so they run inside `torch.compile` graphs as library calls.
+
+The build targets plain x86-64; each fast variant carries its own target attribute (isa.h) and runs only
+where the CPU reports its features (AVX512-BF16, AVX512-VNNI, AVX-512, AVX2), else the next one down, so
+a build cache shared between machines never runs an instruction a CPU lacks. `isa()` names the level in
+use; `EDGEINFER_CPU_ISA` (scalar, avx2, avx512, avx512_vnni) caps it, for tests of the fallbacks.
 
 - `int8_gemv(xq, x_scale, w, w_scale)`: per-token int8 codes x row-major int8 weights -> fp32, bit for bit
   the `_int_mm` path's result (int8.py); `int8_gemv_out(..., out)` writes a contiguous fp32 `out`;
   `int8_gemv_kn` takes the weight stored `[K, N]` (int8 layers with more inputs than outputs).
 - `int4_gemv(x, codes, scales, zero_terms, group)`: W4A8 on the tiled layout of `int4_pack` (int4.py), for any
   number of rows (the int8 dot products outrun a bf16 GEMM on the dequantized weight even at 512 rows).
+- `bf16_gemv(x, w)` / `bf16_gemv_out(x, w, out)`: bf16 `[M, K]` x bf16 weight `[N, K]` (row-major, as
+  stored) with fp32 sums, into bf16 or fp32 (bf16.py: float models' linear layers and lm_head at few rows).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("isa.cpp", "cpu_gemv.cpp", "bf16_gemv.cpp")]
 # int8 inputs of up to this many rows take `int8_gemv` (wider ones `_int_mm`). Measured at 1 thread
 # (AVX512-VNNI) on the 262k x 640 Gemma lm_head at 1 / 4 / 16 rows: 7.8 / 8.3 / 35 ms, `_int_mm` 37 / 37 / 39.
 GEMV_ROWS = 16
@@ -37,6 +44,9 @@ TILE = 16  # int4 rows per tile (cpu_gemv.cpp kTile)
 SLAB = 8  # int4 inputs per 64-byte slab (kSlab)
 METHODS = ("int8", "int4")  # weight methods with a form the kernels read (`WeightMethod.gemv_form`)
 KERNELS = ("cpu_gemv", "cpu_w4a8")  # `PreparedWeight.kernel` of those forms
+# isa.h's levels, lowest first; `EDGEINFER_CPU_ISA` caps the kernels at one of them
+ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")
+ISA_ENV = "EDGEINFER_CPU_ISA"
 
 
 class KernelBuildError(RuntimeError):
@@ -48,12 +58,16 @@ def load() -> None:
     """Build (or reuse) and load the extension; raises KernelBuildError with the compiler's reason."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise KernelBuildError(f"the CPU GEMV kernels are x86-only, this machine is {platform.machine()}")
+    cap = os.environ.get(ISA_ENV, "")
+    if cap and cap not in ISA_LEVELS:
+        raise KernelBuildError(f"{ISA_ENV}={cap!r} is not one of {', '.join(ISA_LEVELS)}")
     from torch.utils import cpp_extension
 
     try:
         cpp_extension.load(
-            name="edgeinfer_cpu_gemv",
-            sources=[str(_SOURCE)],
+            name="edgeinfer_cpu_kernels",
+            sources=[str(s) for s in _SOURCES],
+            # no -march: the fast variants carry target attributes and are chosen at run time (isa.h)
             extra_cflags=_CFLAGS,
             build_directory=str(_build_dir()),
             is_python_module=False,
@@ -64,11 +78,10 @@ def load() -> None:
             f"could not build the CPU GEMV kernels: {str(e).strip().splitlines()[-1]}"
         ) from e
     _register_fakes()
-    log.info("CPU GEMV kernels loaded (AVX512-VNNI: %s)", torch.ops.edgeinfer_cpu.has_vnni())
+    log.info("CPU GEMV kernels loaded (instruction set: %s)", torch.ops.edgeinfer_cpu.isa())
 
 
-# built for this CPU: AVX512-VNNI where it has it, plain loops where not
-_CFLAGS = ["-O3", "-march=native"]
+_CFLAGS = ["-O3"]
 
 
 def _build_dir() -> Path:
@@ -77,22 +90,42 @@ def _build_dir() -> Path:
     rebuild over each other on every start (measured: 39 s of a cached start)."""
     from edgeinfer.engine.prepared.key import cache_root
 
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + torch.__version__.encode())
+    digest = hashlib.sha256(" ".join(_CFLAGS).encode() + torch.__version__.encode())
+    for source in [*_SOURCES, Path(__file__).with_name("isa.h")]:
+        digest.update(source.read_bytes())
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_root() / "extensions")
-    path = root / f"edgeinfer_cpu_gemv-{digest.hexdigest()[:16]}"
+    path = root / f"edgeinfer_cpu_kernels-{digest.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 @cache
-def cpu_has_vnni() -> bool:
-    """Whether the CPU reports AVX512-VNNI (Linux's /proc/cpuinfo flags), known without building: where
-    it does not, the kernels would run as plain loops, so the default (`cpu_gemv` auto) leaves them off."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux's /proc/cpuinfo lists them (empty where it cannot be read), known
+    without building: the default (`cpu_gemv` auto) leaves a kernel off where it would run as plain loops."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return any(line.startswith("flags") and " avx512_vnni" in line for line in f)
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+        return frozenset(line.partition(":")[2].split())
     except OSError:
-        return False
+        return frozenset()
+
+
+def cpu_has_vnni() -> bool:
+    """AVX512-VNNI: the int8 / int4 kernels' fast variant."""
+    return "avx512_vnni" in cpu_flags()
+
+
+def cpu_has_avx2() -> bool:
+    """AVX2 and FMA: the least the bf16 kernel needs to beat torch's GEMV (x86 only)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_flags()
+
+
+def count_bf16_linears(model: torch.nn.Module) -> int:
+    """bf16 `nn.Linear` layers on CPU that `bf16.use_bf16_gemv` would replace."""
+    from edgeinfer.engine.quant.kernels.bf16 import fits
+
+    return sum(type(m) is torch.nn.Linear and fits(m.weight) for m in model.modules())
 
 
 def _register_fakes() -> None:
@@ -113,6 +146,14 @@ def _register_fakes() -> None:
         xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     ) -> torch.Tensor:
         return xq.new_empty((xq.shape[0], w.shape[1]), dtype=torch.float32)
+
+    @torch.library.register_fake("edgeinfer_cpu::bf16_gemv")
+    def _bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("edgeinfer_cpu::bf16_gemv_out")
+    def _bf16_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        return None
 
     @torch.library.register_fake("edgeinfer_cpu::int4_gemv")
     def _int4(

@@ -14,7 +14,10 @@
 //               activations quantized here per group of the weight's group size (as llama.cpp's Q8_0
 //               blocks): W4A8. The group sums are exact int32; the float zero term is applied once a group.
 //
-// Without AVX512-VNNI (or built for another CPU) the same arithmetic runs as plain loops.
+// The VNNI code is compiled with its own target attribute and runs where the CPU reports AVX512-VNNI
+// (isa.h); elsewhere the same arithmetic runs as plain loops.
+
+#include "isa.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,16 +28,19 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#define EDGEINFER_VNNI 1
+#define EDGEINFER_X86 1
 #else
-#define EDGEINFER_VNNI 0
+#define EDGEINFER_X86 0
 #endif
 
 namespace {
+
+bool use_vnni() { return EDGEINFER_X86 && edgeinfer_cpu::isa_allows(edgeinfer_cpu::Isa::kAvx512Vnni); }
 
 constexpr int64_t kTile = 16;  // int4 rows per tile: one int32 lane each
 constexpr int64_t kSlab = 8;   // int4 inputs per 64-byte slab of a tile (low nibbles 0-3, high 4-7)
@@ -51,8 +57,8 @@ int32_t code_sum(const int8_t* a, int64_t k) {
   return s;
 }
 
-#if EDGEINFER_VNNI
-int32_t dot_u8w_s8a(const int8_t* w, const int8_t* a, int64_t k) {
+#if EDGEINFER_X86
+EDGEINFER_TARGET_VNNI int32_t dot_u8w_s8a(const int8_t* w, const int8_t* a, int64_t k) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
   int64_t i = 0;
@@ -72,15 +78,13 @@ int32_t dot_u8w_s8a(const int8_t* w, const int8_t* a, int64_t k) {
 }
 #endif
 
-int32_t dot_i8(const int8_t* w, const int8_t* a, int64_t k, int32_t a_sum) {
-#if EDGEINFER_VNNI
-  return dot_u8w_s8a(w, a, k) - 128 * a_sum;
-#else
-  (void)a_sum;
+int32_t dot_i8(const int8_t* w, const int8_t* a, int64_t k, int32_t a_sum, bool vnni) {
+#if EDGEINFER_X86
+  if (vnni) return dot_u8w_s8a(w, a, k) - 128 * a_sum;
+#endif
   int32_t s = 0;
   for (int64_t i = 0; i < k; ++i) s += int32_t(w[i]) * int32_t(a[i]);
   return s;
-#endif
 }
 
 void check_int8(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& w, const at::Tensor& w_scale) {
@@ -117,10 +121,11 @@ void int8_gemv_out(const at::Tensor& xq, const at::Tensor& x_scale, const at::Te
   const float* xsp = ops.x_scale.data_ptr<float>();
   const int32_t* sums = ops.sums.data();
   float* op = out.data_ptr<float>();
+  const bool vnni = use_vnni();
   at::parallel_for(0, n, 1024, [&](int64_t n0, int64_t n1) {
     for (int64_t j = n0; j < n1; ++j) {
       for (int64_t m = 0; m < m_rows; ++m) {
-        const int32_t d = dot_i8(wp + j * k, ap + m * k, k, sums[m]);
+        const int32_t d = dot_i8(wp + j * k, ap + m * k, k, sums[m], vnni);
         // float(int32) * weight scale * token scale: `_int_mm`'s epilogue, in its order
         op[m * n + j] = static_cast<float>(d) * wsp[j] * xsp[m];
       }
@@ -159,10 +164,12 @@ void check_int8_kn(const at::Tensor& xq, const at::Tensor& x_scale, const at::Te
 
 // Exact int32 sums of rows [m0, m0 + rows) against outputs [n0, n0 + 64) into acc[r * 64 + o]. `quads`:
 // each activation row's codes as int32 words of four, zero-padded to `k4 = ceil(k / 4)` words.
-void kn_block(const int8_t* w, int64_t n, int64_t k, int64_t n0, const int8_t* a, const int32_t* quads,
-              int64_t m0, int64_t rows, const int32_t* a_sums, int32_t* acc) {
+#if EDGEINFER_X86
+EDGEINFER_TARGET_VNNI void kn_block_vnni(const int8_t* w, int64_t n, int64_t k, int64_t n0, const int8_t* a,
+                                         const int32_t* quads, int64_t m0, int64_t rows, const int32_t* a_sums,
+                                         int32_t* acc) {
+  (void)a;
   const int64_t width = std::min(kKnBlock, n - n0);
-#if EDGEINFER_VNNI
   const __mmask64 mask = width == kKnBlock ? ~0ULL : (1ULL << width) - 1;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i sums[kKnRows][4];
@@ -189,7 +196,13 @@ void kn_block(const int8_t* w, int64_t n, int64_t k, int64_t n0, const int8_t* a
       for (int64_t q = 0; q < 4; ++q)
         acc[rr * kKnBlock + 16 * (j / 4) + 4 * q + j % 4] = lanes[q][j] - 128 * a_sums[m0 + rr];
   }
-#else
+}
+#endif
+
+// The same sums in plain loops (no offset trick: `quads` and `a_sums` are unused).
+void kn_block_ref(const int8_t* w, int64_t n, int64_t k, int64_t n0, const int8_t* a, const int32_t* quads,
+                  int64_t m0, int64_t rows, const int32_t* a_sums, int32_t* acc) {
+  const int64_t width = std::min(kKnBlock, n - n0);
   (void)a_sums;
   (void)quads;
   std::fill(acc, acc + rows * kKnBlock, 0);
@@ -198,7 +211,6 @@ void kn_block(const int8_t* w, int64_t n, int64_t k, int64_t n0, const int8_t* a
       const int32_t x = a[(m0 + rr) * k + i];
       for (int64_t o = 0; o < width; ++o) acc[rr * kKnBlock + o] += x * int32_t(w[i * n + n0 + o]);
     }
-#endif
 }
 
 at::Tensor int8_gemv_kn(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& w,
@@ -216,6 +228,13 @@ at::Tensor int8_gemv_kn(const at::Tensor& xq, const at::Tensor& x_scale, const a
   std::vector<int32_t> quads(m_rows * k4, 0);
   for (int64_t m = 0; m < m_rows; ++m) std::memcpy(quads.data() + m * k4, ap + m * k, k);
   const int64_t blocks = (n + kKnBlock - 1) / kKnBlock;
+  using KnBlockFn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const int8_t*, const int32_t*, int64_t,
+                             int64_t, const int32_t*, int32_t*);
+#if EDGEINFER_X86
+  const KnBlockFn kn_block = use_vnni() ? kn_block_vnni : kn_block_ref;
+#else
+  const KnBlockFn kn_block = kn_block_ref;
+#endif
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     std::vector<int32_t> acc(kKnRows * kKnBlock);
     for (int64_t b = b0; b < b1; ++b) {
@@ -280,9 +299,9 @@ inline float bf16_bits_to_float(uint16_t v) {
   return f;
 }
 
-#if EDGEINFER_VNNI
+#if EDGEINFER_X86
 // 16 bf16 values -> fp32 lanes (bf16 is the top half of an fp32)
-inline __m512 bf16x16_to_ps(const uint16_t* p) {
+EDGEINFER_TARGET_VNNI inline __m512 bf16x16_to_ps(const uint16_t* p) {
   const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
@@ -290,15 +309,15 @@ inline __m512 bf16x16_to_ps(const uint16_t* p) {
 
 // One tile of 16 rows against `mb` (<= kRowBlock) activation rows; writes out[m][16]. `mb` and the group
 // size are template arguments so that the loops unroll and the accumulators live in registers.
+#if EDGEINFER_X86
 template <int64_t mb, int64_t g>
-void int4_tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* zero_terms, int64_t k,
-               const ActGroups& a, int64_t m0, float* out) {
+EDGEINFER_TARGET_VNNI void int4_tile_vnni(const uint8_t* codes, const uint16_t* scales, const uint16_t* zero_terms,
+                                          int64_t k, const ActGroups& a, int64_t m0, float* out) {
   constexpr int64_t slabs = g / kSlab;
   const int64_t ng = k / g;
   const int8_t* aq = a.q.data() + m0 * k;
   const float* as = a.scale.data() + m0 * ng;
   const int32_t* asum = a.sum.data() + m0 * ng;
-#if EDGEINFER_VNNI
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[mb];
   for (int64_t m = 0; m < mb; ++m) acc[m] = _mm512_setzero_ps();
@@ -334,7 +353,18 @@ void int4_tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* zer
     }
   }
   for (int64_t m = 0; m < mb; ++m) _mm512_storeu_ps(out + m * kTile, acc[m]);
-#else
+}
+#endif
+
+// The same arithmetic in plain loops.
+template <int64_t mb, int64_t g>
+void int4_tile_ref(const uint8_t* codes, const uint16_t* scales, const uint16_t* zero_terms, int64_t k,
+                   const ActGroups& a, int64_t m0, float* out) {
+  constexpr int64_t slabs = g / kSlab;
+  const int64_t ng = k / g;
+  const int8_t* aq = a.q.data() + m0 * k;
+  const float* as = a.scale.data() + m0 * ng;
+  const int32_t* asum = a.sum.data() + m0 * ng;
   for (int64_t m = 0; m < mb; ++m) {
     float acc[kTile] = {};
     for (int64_t b = 0; b < ng; ++b) {
@@ -354,27 +384,34 @@ void int4_tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* zer
     }
     std::memcpy(out + m * kTile, acc, sizeof acc);
   }
-#endif
 }
 
 using TileFn = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, const ActGroups&, int64_t, float*);
 
+template <int64_t mb, int64_t g>
+TileFn pick_variant(bool vnni) {
+#if EDGEINFER_X86
+  if (vnni) return int4_tile_vnni<mb, g>;
+#endif
+  return int4_tile_ref<mb, g>;
+}
+
 template <int64_t mb>
-TileFn pick_group(int64_t g) {
+TileFn pick_group(int64_t g, bool vnni) {
   switch (g) {
-    case 32: return int4_tile<mb, 32>;
-    case 64: return int4_tile<mb, 64>;
-    case 128: return int4_tile<mb, 128>;
+    case 32: return pick_variant<mb, 32>(vnni);
+    case 64: return pick_variant<mb, 64>(vnni);
+    case 128: return pick_variant<mb, 128>(vnni);
     default: TORCH_CHECK(false, "int4_gemv: group size ", g, " is not 32, 64 or 128");
   }
 }
 
-TileFn pick_tile(int64_t mb, int64_t g) {
+TileFn pick_tile(int64_t mb, int64_t g, bool vnni) {
   switch (mb) {
-    case 1: return pick_group<1>(g);
-    case 2: return pick_group<2>(g);
-    case 3: return pick_group<3>(g);
-    default: return pick_group<4>(g);
+    case 1: return pick_group<1>(g, vnni);
+    case 2: return pick_group<2>(g, vnni);
+    case 3: return pick_group<3>(g, vnni);
+    default: return pick_group<4>(g, vnni);
   }
 }
 
@@ -402,13 +439,14 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t ng = k / group;
   float* of = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
   at::BFloat16* ob = of ? nullptr : out.data_ptr<at::BFloat16>();
-  const TileFn full = pick_tile(kRowBlock, group);  // checks the group size before the threads start
+  const bool vnni = use_vnni();
+  const TileFn full = pick_tile(kRowBlock, group, vnni);  // checks the group size before the threads start
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     float buf[kRowBlock * kTile];
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m0 = 0; m0 < m_rows; m0 += kRowBlock) {
         const int64_t mb = std::min(kRowBlock, m_rows - m0);
-        const TileFn tile = mb == kRowBlock ? full : pick_tile(mb, group);
+        const TileFn tile = mb == kRowBlock ? full : pick_tile(mb, group, vnni);
         const uint8_t* ct = cp + t * (k / kSlab) * 64;
         const uint16_t* st = sp + t * ng * kTile;
         const uint16_t* zt = zp + t * ng * kTile;
@@ -427,7 +465,11 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return out;
 }
 
-bool has_vnni() { return EDGEINFER_VNNI; }
+bool has_vnni() { return use_vnni(); }
+
+std::string isa() { return edgeinfer_cpu::isa_name(); }
+
+void set_isa_cap(const std::string& name) { edgeinfer_cpu::set_isa_cap(name); }
 
 }  // namespace
 
@@ -437,6 +479,8 @@ TORCH_LIBRARY(edgeinfer_cpu, m) {
   m.def("int8_gemv_kn(Tensor xq, Tensor x_scale, Tensor w, Tensor w_scale) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor zero_terms, int group) -> Tensor");
   m.def("has_vnni() -> bool", has_vnni);
+  m.def("isa() -> str", isa);
+  m.def("set_isa_cap(str name) -> ()", set_isa_cap);
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {

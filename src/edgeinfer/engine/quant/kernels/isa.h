@@ -1,0 +1,31 @@
+// Which instruction sets the kernels may use, decided at run time (isa.cpp).
+//
+// Every kernel variant is compiled with its own target attribute and runs only where the CPU (and the OS,
+// for the AVX-512 register state) reports its features, so one build works on any x86-64 CPU and never
+// executes an illegal instruction. `EDGEINFER_CPU_ISA` (or `set_isa_cap`, for tests) caps the level below
+// what the CPU has, to exercise the fallbacks.
+
+#pragma once
+
+#include <string>
+
+namespace edgeinfer_cpu {
+
+// Ordered: a cap at one level allows every level below it that the CPU has.
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4 };
+
+// Whether kernels of `level` may run: the CPU has its features and the cap allows it.
+bool isa_allows(Isa level);
+
+// The best level allowed (for reports), e.g. "avx512_bf16".
+std::string isa_name();
+
+// Cap the levels the kernels use ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16" = no cap).
+void set_isa_cap(const std::string& name);
+
+}  // namespace edgeinfer_cpu
+
+#define EDGEINFER_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define EDGEINFER_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define EDGEINFER_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define EDGEINFER_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))

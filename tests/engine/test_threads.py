@@ -1,0 +1,52 @@
+"""The engine's thread count (`threads`, `--threads`): applied at construction, every core by default."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from edgeinfer.engine.config import EngineConfig
+from edgeinfer.engine.engine import LLMEngine
+from edgeinfer.engine.threads import available_cores, use_threads
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_engine_sets_its_thread_count_and_its_step_thread_follows(tiny_llama, restore_threads):
+    LLMEngine(EngineConfig(model=tiny_llama, threads=1, num_kv_blocks=16))
+    assert torch.get_num_threads() == 1
+    seen = []
+
+    def step_thread() -> None:  # as the async engine's loop: a thread of its own running ops
+        torch.ones(4).add_(1)
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=step_thread)
+    t.start()
+    t.join()
+    assert seen == [1]
+
+
+def test_the_default_is_every_available_core(restore_threads):
+    torch.set_num_threads(1)
+    assert use_threads(None) == available_cores() == torch.get_num_threads()
+
+
+def test_zero_threads_is_refused():
+    with pytest.raises(ValueError, match="threads"):
+        EngineConfig(threads=0)
+
+
+def test_serve_refuses_zero_threads_in_one_line(tiny_llama, capsys):
+    from edgeinfer.node.cli import main
+
+    assert main(["--model", tiny_llama, "--threads", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "threads must be >= 1" in err

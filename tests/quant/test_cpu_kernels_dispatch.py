@@ -1,0 +1,162 @@
+"""Our CPU kernels' run-time dispatch (quant/kernels/isa.h): every variant this CPU can run matches its
+reference, the fallbacks are reached by capping the level, and the bf16 kernel serves float models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from edgeinfer.engine.config import EngineConfig
+from edgeinfer.engine.engine import LLMEngine
+from edgeinfer.engine.loading import parse_quantization, uses_cpu_gemv
+from edgeinfer.engine.quant import QuantLinear, kernels
+from edgeinfer.engine.quant.kernels.bf16 import GEMV_ROWS, GemvLinear
+from edgeinfer.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def ops():
+    try:
+        kernels.load()
+    except kernels.KernelBuildError as e:  # no compiler, or not x86
+        pytest.skip(f"the CPU kernels cannot be built here: {e}")
+    return torch.ops.edgeinfer_cpu
+
+
+def _levels_here(ops) -> list[str]:
+    """The levels this CPU runs: a cap at a level the CPU lacks reports a lower one."""
+    here = []
+    for level in kernels.ISA_LEVELS:
+        ops.set_isa_cap(level)
+        if ops.isa() == level:
+            here.append(level)
+    ops.set_isa_cap(kernels.ISA_LEVELS[-1])
+    return here
+
+
+@pytest.fixture
+def capped(ops) -> Iterator:
+    """Set the cap inside a test; lifted afterwards."""
+    yield ops.set_isa_cap
+    ops.set_isa_cap(kernels.ISA_LEVELS[-1])
+
+
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+# K: whole vectors, and tails that the masked / scalar remainders take; N: whole and partial 4-row tiles
+@pytest.mark.parametrize("n,k", [(256, 640), (37, 100), (5, 7), (130, 2048)])
+def test_bf16_gemv_matches_a_float64_product_at_every_level_the_cpu_has(ops, capped, n, k):
+    w = _bf16(n, k, seed=n)
+    for level in _levels_here(ops):
+        capped(level)
+        assert ops.bf16_variant() == (level if level != "avx512_vnni" else "avx512")
+        for m in (1, 3, 6):  # one tile of rows, a partial one, and more than one
+            x = _bf16(m, k, seed=m)
+            ref = x.double() @ w.double().T
+            out = torch.empty(m, n)
+            ops.bf16_gemv_out(x, w, out)
+            # fp32 sums of k bf16 products: rounding within k * 2^-24 of the magnitudes summed
+            bound = k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+            assert ((out.double() - ref).abs() <= bound).all(), level
+            assert torch.equal(ops.bf16_gemv(x, w), out.bfloat16())  # bf16 out: the fp32 sums, rounded
+
+
+def test_bf16_gemv_rows_do_not_depend_on_the_batch_or_threads(ops):
+    w, x = _bf16(1000, 640, seed=0), _bf16(5, 640, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        together = ops.bf16_gemv(x, w)
+        torch.set_num_threads(2)
+        assert torch.equal(ops.bf16_gemv(x, w), together)
+        assert all(torch.equal(ops.bf16_gemv(x[i : i + 1], w), together[i : i + 1]) for i in range(5))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("method", ["int8:0", "int4"])
+def test_int_kernels_fallback_equals_the_fast_variant(ops, capped, method):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(512, 256, generator=g) * 0.05
+    layer = QuantLinear.from_float(weight, None, parse_quantization(method))
+    assert layer.use_cpu_gemv()
+    x = torch.randn(3, 256, generator=g)
+    results = {}
+    for level in _levels_here(ops):
+        capped(level)
+        results[level] = layer(x)
+    assert "scalar" in results and len(results) >= 1
+    # the VNNI variant and the plain loops do the same integer sums and the same float epilogue
+    for level, y in results.items():
+        assert torch.equal(y, results["scalar"]), level
+
+
+def test_the_env_var_caps_the_level_in_a_fresh_process(ops):
+    code = (
+        "import torch; from edgeinfer.engine.quant import kernels; kernels.load(); "
+        "print(torch.ops.edgeinfer_cpu.isa())"
+    )
+    env = {**os.environ, kernels.ISA_ENV: "scalar"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "scalar"
+
+
+def test_an_unknown_level_is_refused_before_building(monkeypatch):
+    monkeypatch.setenv(kernels.ISA_ENV, "avx9000")
+    kernels.load.cache_clear()
+    try:
+        with pytest.raises(kernels.KernelBuildError, match="avx9000"):
+            kernels.load()
+    finally:
+        monkeypatch.delenv(kernels.ISA_ENV)
+        kernels.load.cache_clear()
+        kernels.load()
+
+
+def _engine(model: str, cpu_gemv: bool | None, dtype: str = "auto") -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, dtype=dtype, cpu_gemv=cpu_gemv, num_kv_blocks=64))
+
+
+def test_bf16_models_take_the_kernel_by_default_and_decode_alike(ops, tiny_models):
+    plain, fast = _engine(tiny_models["gemma3"], False), _engine(tiny_models["gemma3"], None)
+    assert not uses_cpu_gemv(plain.model)
+    assert uses_cpu_gemv(fast.model) == kernels.cpu_has_avx2()
+    head, embed = fast.model.lm_head, fast.model.model.embed_tokens
+    if kernels.cpu_has_avx2():
+        assert isinstance(head, GemvLinear) and head.weight is embed.weight  # still tied, no copy
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [[5, 9, 17, 33], [2, 4, 6, 8, 10, 12]]
+    for a, b in zip(plain.generate(prompts, sp), fast.generate(prompts, sp), strict=True):
+        # fp32 sums in another order: the same tokens until a near-tie, logprobs within bf16 rounding
+        for pa, pb in zip(a.outputs, b.outputs, strict=True):
+            (ta,), (tb,) = pa.logprobs, pb.logprobs
+            assert tb.logprob == pytest.approx(ta.logprob, abs=0.05)
+            if ta.token_id != tb.token_id:
+                assert ta.top[0][1] - ta.top[1][1] < 0.05
+                break
+
+
+def test_fp32_models_never_start_the_build(tiny_models, monkeypatch):
+    def unexpected() -> None:
+        raise AssertionError("an fp32 model started the kernel build")
+
+    monkeypatch.setattr(kernels, "load", unexpected)
+    assert not uses_cpu_gemv(_engine(tiny_models["llama"], None, "float32").model)
+
+
+def test_gemv_linear_keeps_torch_for_wide_inputs(ops):
+    lin = torch.nn.Linear(64, 48, bias=True, dtype=torch.bfloat16)
+    fast = GemvLinear.from_linear(lin)
+    x = _bf16(GEMV_ROWS + 1, 64, seed=3)
+    assert not fast.uses_kernel(x) and torch.equal(fast(x), lin(x))
+    one = x[:1]
+    assert fast.uses_kernel(one)
+    assert torch.allclose(fast(one).float(), lin(one).float(), atol=0.03, rtol=0.01)  # the bias is added
