@@ -100,9 +100,10 @@ def test_busy_thresholds_and_staleness_exclude_then_reject():
     over_queue = node("a", "FRA", queue_depth=CONFIG.busy_queue_depth)
     over_kv = node("b", "FRA", kv_usage=0.99)
     stale = node("c", "AMS", ts=NOW - CONFIG.stale_after_s - 0.01)
-    for n in (over_queue, over_kv, stale):
+    broken = node("e", "FRA", available=False)
+    for n in (over_queue, over_kv, stale, broken):
         assert is_busy(n, NOW, CONFIG)
-    decision = route([over_queue, over_kv, stale])
+    decision = route([over_queue, over_kv, stale, broken])
     assert decision.kind == "reject" and decision.retry_after_s > 0 and not decision.ranked
     assert route([over_queue, over_kv, stale, node("d", "SIN")]).best.node_id == "d"
 

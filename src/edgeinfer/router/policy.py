@@ -8,7 +8,8 @@ The router and the fleet simulator both call it; its API is small and stable:
     decision.ranked     # Candidates, best first; the router tries them in order (retries go down the list)
     decision.spilled    # True when routed away from the nearest location that has the model warm
 
-- `NodeState` is one node's last status (what `NodeStatus` carries) plus `ts`, on the caller's clock.
+- `NodeState` is one node's last status (what `NodeStatus` carries), `ts` on the caller's clock, and
+  `available` (False while the caller's circuit breaker for it is open: treated as busy).
 - `rtt(a, b)` is any callable giving round-trip seconds between location codes (`geo.RttTable`).
 - `rng` is a `random.Random` the caller seeds (power-of-two choices draw from it).
 - `strategy` picks the ranking: "ttft" (this policy), "nearest" and "least_loaded" (baselines).
@@ -47,6 +48,7 @@ class NodeState:
     kv_usage: float = 0.0
     capacity: int = 1
     ts: float = 0.0
+    available: bool = True  # False: the caller's circuit breaker for this node is open (counts as busy)
 
     @property
     def in_flight(self) -> int:
@@ -134,7 +136,8 @@ def decide(
         return Decision("unknown_model", reason=f"no live node serves model {request.model!r}")
     if strategy == "nearest":
         # The baseline knows no load: saturated and stale nodes stay candidates (they answer 429).
-        usable = [n for n in serving if request.model in n.models_warm] or serving
+        reachable = [n for n in serving if n.available]
+        usable = [n for n in reachable if request.model in n.models_warm] or reachable
     else:
         usable = [n for n in serving if not is_busy(n, snapshot.now, config)]
     if not usable:
@@ -148,9 +151,10 @@ def decide(
 
 
 def is_busy(node: NodeState, now: float, config: PolicyConfig) -> bool:
-    """Over a busy threshold, or its status too old to trust (counts as saturated)."""
+    """Over a busy threshold, unavailable, or its status too old to trust (counts as saturated)."""
     return (
-        now - node.ts > config.stale_after_s
+        not node.available
+        or now - node.ts > config.stale_after_s
         or node.queue_depth >= config.busy_queue_depth
         or node.kv_usage >= config.busy_kv_usage
     )
