@@ -43,3 +43,10 @@ class NodeConfig:
     # HMAC key for tenant cache namespaces; random per process when unset (the KV cache is in-process).
     server_secret: bytes | None = None
     preload: tuple[str, ...] = ()
+    # Fleet membership: how routers know this node (docs/router.md).
+    node_id: str = ""
+    location: str = ""
+    nats_url: str | None = None  # publish NodeStatus there every status_interval_s
+    status_interval_s: float = 0.1
+    # Shared with the routers: a request signed with it carries a tenant the node trusts (router_trust).
+    router_secret: bytes | None = None

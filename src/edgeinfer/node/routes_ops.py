@@ -1,4 +1,5 @@
-"""Operational routes: /health (liveness), /ready (preloads done), /metrics (Prometheus)."""
+"""Operational routes: /health (liveness), /ready (preloads done), /node/status (for routers),
+/metrics (Prometheus)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from edgeinfer.node.fleet_status import node_status
 from edgeinfer.obs.metrics import CONTENT_TYPE
 
 router = APIRouter()
@@ -25,6 +27,13 @@ async def ready(request: Request) -> JSONResponse:
     resident = sorted(state.name for state in pool.states() if state.state == "resident")
     body = {"status": "ready" if is_ready else "starting", "resident_models": resident}
     return JSONResponse(body, status_code=200 if is_ready else 503)
+
+
+@router.get("/node/status", tags=["ops"])
+async def status(request: Request) -> Response:
+    """The NodeStatus routers read (the same JSON the node publishes on NATS)."""
+    snapshot = node_status(request.app.state.config, request.app.state.service.pool)
+    return Response(snapshot.to_json(), media_type="application/json")
 
 
 @router.get("/metrics", tags=["ops"])
