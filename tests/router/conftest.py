@@ -100,7 +100,7 @@ class LoopbackFleet:
     # In the fleet file from the start, started only by the breaker test: a node that is not there yet.
     late: dict[str, NodeProc] = field(default_factory=dict)
 
-    def fleet(self) -> Fleet:
+    def fleet(self, rtt_ms: dict[str, float] | None = None) -> Fleet:
         from edgeinfer.router.fleet_file import parse_fleet
 
         coords = {"FRA": (50.03, 8.57), "AMS": (52.31, 4.76), "SIN": (1.36, 103.99)}
@@ -109,7 +109,7 @@ class LoopbackFleet:
             nodes = [*self.nodes.values(), *self.late.values()]
             members = [{"id": n.node_id, "url": n.url} for n in nodes if n.location == code]
             locations.append({"code": code, "lat": lat, "lon": lon, "nodes": members})
-        return parse_fleet({"locations": locations})
+        return parse_fleet({"locations": locations, "rtt_ms": rtt_ms or {}})
 
 
 class RouterThread:

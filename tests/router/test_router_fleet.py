@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -179,6 +180,7 @@ MALFORMED = [
     ("/accounts/a/ai/run/tiny", b'{"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}', {}),
     ("/accounts/a/ai/run/tiny", b'{"prompt": "hi", "temperature": -1}', {}),
     ("/v1/completions", b'{"model": "tiny", "prompt": "hi"}', {"authorization": "Bearer wrong"}),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "' + b"x" * (4 * 1024 * 1024) + b'"}', {}),
 ]
 
 
@@ -249,6 +251,27 @@ def test_polling_router_without_a_broker(loopback_fleet: LoopbackFleet, tmp_path
         server.stop()
 
 
+def test_emulated_rtt_delays_forwards_by_the_distance(loopback_fleet: LoopbackFleet):
+    config = RouterConfig(
+        location="FRA", tenants_file=str(loopback_fleet.workdir / "tenants.json"), emulate_rtt=True
+    )
+    config = dataclasses.replace(config, nats_url=loopback_fleet.nats_url, router_secret=SECRET)
+    server = RouterThread(config, loopback_fleet.fleet(rtt_ms={"FRA-AMS": 300.0})).start()
+
+    def elapsed(location: str) -> float:
+        start = time.monotonic()
+        assert served_by(ask(server.url, "tiny-c", location=location)) == "ams-1"
+        return time.monotonic() - start
+
+    try:
+        server.wait_for_nodes(set(loopback_fleet.nodes))
+        far = min(elapsed("FRA") for _ in range(3))  # tiny-c is warm only in AMS: 300 ms away
+        near = min(elapsed("AMS") for _ in range(3))
+        assert far >= 0.3 > near
+    finally:
+        server.stop()
+
+
 def test_breaker_opens_on_a_dead_node_and_closes_when_it_returns(
     router: RouterThread, loopback_fleet: LoopbackFleet
 ):
@@ -281,8 +304,6 @@ def test_breaker_opens_on_a_dead_node_and_closes_when_it_returns(
 @contextmanager
 def publishing(nats_url: str, status: NodeStatus) -> Iterator[None]:
     """Publish `status` (freshly stamped) at 10 Hz from a thread until the block ends."""
-    import dataclasses
-
     import nats
 
     stop = threading.Event()
