@@ -16,6 +16,7 @@ import pytest
 from conftest import KEYS, SECRET, LoopbackFleet, RouterThread, write_tenants
 
 from edgeinfer.router.config import RouterConfig
+from edgeinfer.router.placement import PlacementConfig
 from edgeinfer.router.policy import PolicyConfig, rendezvous_order
 from edgeinfer.types import router_trust
 from edgeinfer.types.status import NodeStatus
@@ -34,6 +35,7 @@ def router(loopback_fleet: LoopbackFleet) -> Iterator[RouterThread]:
         # Stale status takes 3 s here, so that after a SIGKILL it is the breaker that moves traffic.
         policy=PolicyConfig(stale_after_s=3.0, drop_after_s=30.0, busy_queue_depth=3),
         breaker_reset_s=0.5,
+        placement=PlacementConfig(window_s=60.0, min_requests=3, near_rtt_s=0.005, interval_s=0.2),
         seed=0,
     )
     server = RouterThread(config, loopback_fleet.fleet()).start()
@@ -223,6 +225,8 @@ def test_forged_tenant_header_is_ignored(router: RouterThread, loopback_fleet: L
         ams + "/v1/completions", json={"model": "tiny", "prompt": "Hi"}, headers=signed
     ).is_success
     assert usage_requests(ams, "bob") == before["bob"] + 1
+    # Only routers may ask a node to load a model.
+    assert httpx.post(ams + "/node/prefetch", json={"model": "tiny"}, headers=forged).status_code == 403
 
 
 def test_client_disconnect_aborts_the_generation_on_the_node(
@@ -238,17 +242,6 @@ def test_client_disconnect_aborts_the_generation_on_the_node(
         next(response.iter_raw())
     wait_until(lambda: metric(ams, "edgeinfer:request_outcomes_total", model="tiny-c", code="499") > aborted)
     wait_until(lambda: node_status(router, "ams-1").running == 0, timeout=5, what="ams-1 aborted the stream")
-
-
-def test_polling_router_without_a_broker(loopback_fleet: LoopbackFleet, tmp_path):
-    config = RouterConfig(location="AMS", tenants_file=str(write_tenants(tmp_path)), seed=1)
-    server = RouterThread(config, loopback_fleet.fleet()).start()
-    try:
-        server.wait_for_nodes(set(loopback_fleet.nodes))
-        assert served_by(ask(server.url)) == "ams-1"
-        assert served_by(ask(server.url, "tiny-b", location="FRA")) == "fra-1"
-    finally:
-        server.stop()
 
 
 def test_emulated_rtt_delays_forwards_by_the_distance(loopback_fleet: LoopbackFleet):
@@ -268,6 +261,27 @@ def test_emulated_rtt_delays_forwards_by_the_distance(loopback_fleet: LoopbackFl
         far = min(elapsed("FRA") for _ in range(3))  # tiny-c is warm only in AMS: 300 ms away
         near = min(elapsed("AMS") for _ in range(3))
         assert far >= 0.3 > near
+    finally:
+        server.stop()
+
+
+def test_sustained_demand_loads_a_cold_model_nearby(router: RouterThread):
+    """tiny-c is warm only in AMS, 6.5 ms from FRA: beyond this router's 5 ms "nearby", so FRA's demand
+    for it makes the placement loop ask fra-1 (which has it cold) to load it."""
+    assert "tiny-c" not in node_status(router, "fra-1").models_warm
+    for _ in range(3):
+        assert served_by(ask(router.url, "tiny-c", location="FRA")) == "ams-1"
+    wait_until(lambda: "tiny-c" in node_status(router, "fra-1").models_warm, what="tiny-c loaded on fra-1")
+    assert served_by(ask(router.url, "tiny-c", location="FRA")) == "fra-1"
+
+
+def test_polling_router_without_a_broker(loopback_fleet: LoopbackFleet, tmp_path):
+    config = RouterConfig(location="AMS", tenants_file=str(write_tenants(tmp_path)), seed=1)
+    server = RouterThread(config, loopback_fleet.fleet()).start()
+    try:
+        server.wait_for_nodes(set(loopback_fleet.nodes))
+        assert served_by(ask(server.url)) == "ams-1"
+        assert served_by(ask(server.url, "tiny-b", location="FRA")) == "fra-1"
     finally:
         server.stop()
 

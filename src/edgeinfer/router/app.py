@@ -20,6 +20,7 @@ from edgeinfer.router.breaker import CircuitBreaker
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.fleet_file import Fleet
 from edgeinfer.router.metrics import RouterMetrics
+from edgeinfer.router.placement import PlacementLoop
 from edgeinfer.router.proxy import Forwarder
 from edgeinfer.router.service import RouterService
 from edgeinfer.router.sources import NatsSource, PollSource
@@ -46,16 +47,24 @@ def create_router_app(config: RouterConfig, fleet: Fleet) -> FastAPI:
         limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             source = NatsSource(config.nats_url, state) if config.nats_url else PollSource(state, client)
-            app.state.service = RouterService(
-                config, tenants, state, Forwarder(config, state, client, metrics), metrics
-            )
+            placement = None
+            if config.placement is not None and config.router_secret is not None:
+                placement = PlacementLoop(
+                    state, client, config.router_secret, config.placement, config.policy
+                )
+            forwarder = Forwarder(config, state, client, metrics)
+            app.state.service = RouterService(config, tenants, state, forwarder, metrics, placement)
             await source.start()
+            if placement is not None:
+                await placement.start()
             app.state.ready = True
             logger.info("router ready at %s; %d nodes in the fleet file", config.location, len(fleet.nodes))
             try:
                 yield
             finally:
                 app.state.ready = False
+                if placement is not None:
+                    await placement.stop()
                 await source.stop()
 
     app = FastAPI(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edgeinfer.node.config import NodeLimits
+from edgeinfer.router.placement import PlacementConfig
 from edgeinfer.router.policy import PolicyConfig
 
 
@@ -26,4 +27,6 @@ class RouterConfig:
     max_attempts: int = 3
     breaker_failures: int = 3
     breaker_reset_s: float = 2.0
+    # Warm-pool placement (router/placement.py); runs only with a router secret, which signs its asks.
+    placement: PlacementConfig | None = field(default_factory=PlacementConfig)
     seed: int | None = None  # for the policy's random choices (tests, benchmarks)

@@ -14,6 +14,7 @@ from edgeinfer.node.jobs import Job
 from edgeinfer.node.tenants import Tenant, TenantRegistry
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.metrics import RouterMetrics
+from edgeinfer.router.placement import PlacementLoop
 from edgeinfer.router.policy import Decision, RequestFeatures, decide
 from edgeinfer.router.proxy import HOP_BY_HOP, Forward, Forwarder
 from edgeinfer.router.state import FleetState
@@ -56,12 +57,14 @@ class RouterService:
         state: FleetState,
         forwarder: Forwarder,
         metrics: RouterMetrics,
+        placement: PlacementLoop | None = None,
     ) -> None:
         self.config = config
         self.tenants = tenants
         self.state = state
         self.forwarder = forwarder
         self.metrics = metrics
+        self.placement = placement
         self.sessions = SessionMemory()
         self.rng = random.Random(config.seed)
 
@@ -79,6 +82,8 @@ class RouterService:
         features = RequestFeatures(
             job.model, tokens, location, affinity, tenant.name, self.sessions.cached_tokens(session, tokens)
         )
+        if self.placement is not None:
+            self.placement.demand.add(location, job.model)
         decision = self._decide(features)
         headers = self._node_headers(request, tenant, location)
         forward = Forward(request.url.path, body, headers, location, started)
