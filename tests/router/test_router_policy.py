@@ -173,3 +173,18 @@ def test_ranked_lists_every_usable_node_once_for_retries():
     ranked = [c.node_id for c in route(nodes).ranked]
     assert sorted(ranked) == sorted(n.node_id for n in nodes)
     assert ranked[0].startswith("FRA") and ranked[1].startswith("AMS")
+
+
+def test_router_loads_no_engine_pool_or_torch():
+    """The router talks to nodes over HTTP only; it shares the node's torch-free API layer (schemas,
+    request validation, errors, tenants) so that its answers match a node's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, edgeinfer.router.app, edgeinfer.router.cli, edgeinfer.fleet.up; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or "
+        "m.startswith(('edgeinfer.engine', 'edgeinfer.pool'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
