@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import re
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
 from conftest import KEYS, SECRET, LoopbackFleet, RouterThread, write_tenants
+from fleet_client import ALICE, ask, long_streams, metric, node_status, publishing, served_by, wait_until
 
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.placement import PlacementConfig
@@ -22,7 +26,6 @@ from edgeinfer.types import router_trust
 from edgeinfer.types.status import NodeStatus
 
 pytestmark = pytest.mark.timeout(300)
-ALICE = {"authorization": f"Bearer {KEYS['alice']}"}
 
 
 @pytest.fixture(scope="module")
@@ -42,73 +45,6 @@ def router(loopback_fleet: LoopbackFleet) -> Iterator[RouterThread]:
     server.wait_for_nodes(set(loopback_fleet.nodes))
     yield server
     server.stop()
-
-
-def ask(
-    url: str, model: str = "tiny", location: str | None = None, affinity: str | None = None, **body: Any
-) -> httpx.Response:
-    headers = dict(ALICE)
-    if location:
-        headers["x-client-location"] = location
-    if affinity:
-        headers["x-session-affinity"] = affinity
-    payload = {"model": model, "prompt": "Hello", "max_tokens": 4, **body}
-    return httpx.post(url + "/v1/completions", json=payload, headers=headers, timeout=60)
-
-
-def served_by(response: httpx.Response) -> str:
-    assert response.status_code == 200, response.text
-    return response.headers["x-edgeinfer-node"]
-
-
-@contextmanager
-def long_streams(url: str, count: int, model: str) -> Iterator[None]:
-    """`count` long generations streamed from `url` in threads, closed (aborted) on exit."""
-    stop = threading.Event()
-    body = {"model": model, "prompt": "Hello", "max_tokens": 3500, "ignore_eos": True, "stream": True}
-
-    def run() -> None:
-        with (
-            httpx.Client(timeout=120) as client,
-            client.stream("POST", url + "/v1/completions", json=body, headers=ALICE) as response,
-        ):
-            for _ in response.iter_raw():
-                if stop.is_set():
-                    return
-
-    threads = [threading.Thread(target=run, daemon=True) for _ in range(count)]
-    for t in threads:
-        t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-
-
-def node_status(router: RouterThread, node_id: str) -> NodeStatus:
-    status = router.service.state.nodes[node_id].status
-    assert status is not None
-    return status
-
-
-def wait_until(condition: Any, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        named = line.startswith(name + "{") or line.startswith(name + " ")
-        if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_nodes_publish_status_on_nats_at_10_hz(loopback_fleet: LoopbackFleet):
@@ -155,6 +91,42 @@ def test_spill_over_when_saturated_and_back(router: RouterThread, loopback_fleet
     assert (
         metric(router.url, "edgeinfer_router:spillovers_total", client_location="FRA") == spilled_before + 1
     )
+
+
+def test_status_page_in_headless_chromium(router: RouterThread, tmp_path):
+    """Runs after the spill-over test, so the page has a spill-over to show."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed")
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=4000"]
+    dom = subprocess.run(
+        [*flags, "--dump-dom", router.url + "/status"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    for expected in (
+        'data-location="FRA"',
+        'data-location="SIN"',
+        "fra-1",
+        "ams-1",
+        "tiny-b",
+        "breaker closed",
+    ):
+        assert expected in dom, expected
+    assert '<span class="badge never">never reported</span>' in dom  # sin-1 has not reported yet
+    assert re.search(r"<td>tiny-b</td><td>FRA</td><td>ams-1 \(AMS\)</td>", dom)  # the spill-over
+    shot = tmp_path / "status.png"
+    subprocess.run(
+        [*flags, "--window-size=1100,700", f"--screenshot={shot}", router.url + "/status"],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("EDGEINFER_SAVE_SCREENSHOT"):
+        shutil.copy(shot, os.environ["EDGEINFER_SAVE_SCREENSHOT"])
 
 
 def test_affinity_sticks_with_headroom_and_moves_without(router: RouterThread, loopback_fleet: LoopbackFleet):
@@ -269,9 +241,12 @@ def test_sustained_demand_loads_a_cold_model_nearby(router: RouterThread):
     """tiny-c is warm only in AMS, 6.5 ms from FRA: beyond this router's 5 ms "nearby", so FRA's demand
     for it makes the placement loop ask fra-1 (which has it cold) to load it."""
     assert "tiny-c" not in node_status(router, "fra-1").models_warm
-    for _ in range(3):
-        assert served_by(ask(router.url, "tiny-c", location="FRA")) == "ams-1"
-    wait_until(lambda: "tiny-c" in node_status(router, "fra-1").models_warm, what="tiny-c loaded on fra-1")
+    served = []
+    deadline = time.monotonic() + 30
+    while "tiny-c" not in node_status(router, "fra-1").models_warm and time.monotonic() < deadline:
+        served.append(served_by(ask(router.url, "tiny-c", location="FRA")))
+        time.sleep(0.1)
+    assert served[0] == "ams-1" and "tiny-c" in node_status(router, "fra-1").models_warm
     assert served_by(ask(router.url, "tiny-c", location="FRA")) == "fra-1"
 
 
@@ -313,30 +288,6 @@ def test_breaker_opens_on_a_dead_node_and_closes_when_it_returns(
     assert breaker.state == "closed"
     assert metric(router.url, "edgeinfer_router:breaker_state", node="sin-1") == 0.0
     late.stop()
-
-
-@contextmanager
-def publishing(nats_url: str, status: NodeStatus) -> Iterator[None]:
-    """Publish `status` (freshly stamped) at 10 Hz from a thread until the block ends."""
-    import nats
-
-    stop = threading.Event()
-
-    async def loop() -> None:
-        nc = await nats.connect(nats_url)
-        while not stop.is_set():
-            fresh = dataclasses.replace(status, ts=time.time())
-            await nc.publish(f"edgeinfer.status.{status.node_id}", fresh.to_json())
-            await asyncio.sleep(0.1)
-        await nc.close()
-
-    thread = threading.Thread(target=asyncio.run, args=(loop(),), daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(10)
 
 
 def test_sigkill_under_traffic(router: RouterThread, loopback_fleet: LoopbackFleet):

@@ -14,7 +14,7 @@ from edgeinfer import __version__
 from edgeinfer.node import error_handlers
 from edgeinfer.node.files import load_table
 from edgeinfer.node.tenants import TenantRegistry
-from edgeinfer.router import routes
+from edgeinfer.router import routes, status_page
 from edgeinfer.router.body_limit import BodyLimit
 from edgeinfer.router.breaker import CircuitBreaker
 from edgeinfer.router.config import RouterConfig
@@ -76,5 +76,6 @@ def create_router_app(config: RouterConfig, fleet: Fleet) -> FastAPI:
     app.state.ready = False
     error_handlers.install(app)
     app.include_router(routes.router)
+    app.include_router(status_page.router)
     app.add_middleware(BodyLimit, max_body_bytes=config.limits.max_body_bytes)
     return app

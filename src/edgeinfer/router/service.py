@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from fastapi.responses import Response
 from starlette.requests import Request
@@ -25,6 +25,7 @@ AFFINITY_HEADER = "x-session-affinity"
 # The router does not tokenize: ~4 bytes of JSON body per prompt token is close enough for ranking.
 BYTES_PER_TOKEN = 4
 MAX_SESSIONS = 100_000
+RECENT_SPILLS = 20  # shown on the status page
 
 
 class SessionMemory:
@@ -66,6 +67,7 @@ class RouterService:
         self.metrics = metrics
         self.placement = placement
         self.sessions = SessionMemory()
+        self.recent_spills: deque[dict[str, object]] = deque(maxlen=RECENT_SPILLS)
         self.rng = random.Random(config.seed)
 
     def client_location(self, request: Request) -> str:
@@ -103,8 +105,18 @@ class RouterService:
         if decision.kind == "reject":
             self.metrics.rejected.labels(features.model).inc()
             raise busy(f"every node serving {features.model} is busy; retry shortly", decision.retry_after_s)
-        if decision.spilled:
+        if decision.spilled and decision.best is not None:
             self.metrics.spillovers.labels(features.client_location).inc()
+            best = decision.best
+            self.recent_spills.append(
+                {
+                    "time": time.time(),
+                    "model": features.model,
+                    "client_location": features.client_location,
+                    "node": best.node_id,
+                    "location": best.location,
+                }
+            )
         return decision
 
     def _node_headers(self, request: Request, tenant: Tenant, location: str) -> dict[str, str]:
