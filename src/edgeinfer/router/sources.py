@@ -14,6 +14,7 @@ from edgeinfer.router.state import FleetState
 from edgeinfer.types.status import STATUS_SUBJECT_PREFIX, NodeStatus
 
 logger = logging.getLogger("edgeinfer.router")
+POLL_TIMEOUT_S = 2.0
 
 
 class NatsSource:
@@ -61,7 +62,8 @@ class PollSource:
 
     async def _poll(self, url: str) -> None:
         try:
-            response = await self._client.get(url + "/node/status", timeout=self._interval_s * 5)
+            # Up to the drop bound: a slow answer is still fresher than none.
+            response = await self._client.get(url + "/node/status", timeout=POLL_TIMEOUT_S)
             response.raise_for_status()
             self._state.update(NodeStatus.from_json(response.content))
         except (httpx.HTTPError, ValueError):
