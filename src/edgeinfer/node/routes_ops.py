@@ -62,7 +62,7 @@ async def prefetch(request: Request) -> JSONResponse:
     try:
         body = await request.json()
     except ValueError:
-        raise bad_request("body must be JSON: {\"model\": NAME}") from None
+        raise bad_request('body must be JSON: {"model": NAME}') from None
     pool = request.app.state.service.pool
     try:
         name = pool.resolve(str(body.get("model", "")) if isinstance(body, dict) else "")
