@@ -1,48 +1,25 @@
-"""`edgeinfer fleet up`: a loopback fleet (NATS, a node and a router per location) for demos and tests."""
+"""`edgeinfer fleet`: SUBCOMMAND. Each subcommand lives in its own module (`up`: up_cli.py)."""
 
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
+import importlib
+
+# subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "up": (
+        "edgeinfer.fleet.up_cli",
+        "start NATS, a node and a router per location on loopback; Ctrl-C stops all",
+    ),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="fleet_command", required=True, metavar="ACTION")
-    up = sub.add_parser("up", help="start NATS, N nodes and a router per location; Ctrl-C stops all")
-    up.add_argument("--locations", type=int, default=3, metavar="N", help="how many locations (3)")
-    up.add_argument(
-        "--model",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="model for every node (repeatable; default: the node's default model)",
-    )
-    up.add_argument(
-        "--memory-budget", default=None, metavar="SIZE[,SIZE...]", help="per node, or one per location"
-    )
-    up.add_argument(
-        "--emulate-rtt", action="store_true", help="routers delay forwards by the inter-location latency"
-    )
-    up.add_argument(
-        "--workdir", default=None, help="fleet file, secret and logs (default: a temporary directory)"
-    )
-    up.add_argument(
-        "--node-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra argument for every node (repeatable)",
-    )
+    sub = parser.add_subparsers(dest="fleet_command", required=True, metavar="SUBCOMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from edgeinfer.fleet.up import run_fleet
-
-    node_args = [a for m in args.model for a in ("--model", m)] + list(args.node_arg)
-    if args.workdir:
-        workdir = Path(args.workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
-        return run_fleet(args.locations, node_args, args.memory_budget, args.emulate_rtt, workdir)
-    with tempfile.TemporaryDirectory(prefix="edgeinfer-fleet-") as tmp:
-        return run_fleet(args.locations, node_args, args.memory_budget, args.emulate_rtt, Path(tmp))
+    return importlib.import_module(SUBCOMMANDS[args.fleet_command][0]).run(args)
