@@ -1,4 +1,4 @@
-"""One CLI, `edgeinfer`: generate, embed, serve, bench, quantize, compress, eval.
+"""One CLI, `edgeinfer`: generate, embed, serve, router, fleet, bench, quantize, compress, eval.
 
 Each room owns its subcommand in its own `cli.py` (`add_arguments(parser)` and `run(args) -> int`);
 this file only routes. Errors the user can fix end as one line on stderr and exit code 2.
@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("edgeinfer.engine.cli", "generate a completion for one prompt (text to stdout)"),
     "embed": ("edgeinfer.engine.embedding.cli", "embed texts; print the vectors' shape and first values"),
     "serve": ("edgeinfer.node.cli", "run the node server (OpenAI and Workers-AI APIs)"),
+    "router": ("edgeinfer.router.cli", "run the edge router in front of a fleet of nodes"),
+    "fleet": ("edgeinfer.fleet.cli", "run a loopback fleet: NATS, nodes and routers (`fleet up`)"),
     "bench": ("edgeinfer.bench.cli", "benchmark a running OpenAI-compatible server"),
     "quantize": ("edgeinfer.engine.quant.cli", "write a weight-quantized checkpoint"),
     "compress": ("edgeinfer.engine.quant.cli", "write a losslessly compressed BF16 checkpoint"),

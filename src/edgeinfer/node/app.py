@@ -14,6 +14,7 @@ from edgeinfer import __version__
 from edgeinfer.node import error_handlers, routes_embeddings, routes_openai, routes_ops, routes_workers_ai
 from edgeinfer.node.config import NodeConfig
 from edgeinfer.node.files import load_table
+from edgeinfer.node.fleet_status import StatusPublisher
 from edgeinfer.node.metering import UsageStore
 from edgeinfer.node.middleware import NodeMiddleware
 from edgeinfer.node.prices import PriceTable
@@ -88,14 +89,19 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         checkpoints = asyncio.create_task(service.checkpoint_usage(config.usage_checkpoint_s))
+        publisher = StatusPublisher(config, pool) if config.nats_url else None
         try:
             await pool.preload(config.preload)
+            if publisher is not None:
+                await publisher.start()
             app.state.ready = True
             logger.info("node ready; models: %s", ", ".join(s.name for s in pool.states()))
             yield
         finally:
             app.state.ready = False
             checkpoints.cancel()
+            if publisher is not None:
+                await publisher.stop()
             await pool.shutdown()
             await asyncio.to_thread(store.close)
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from edgeinfer.node.errors import unauthorized
 from edgeinfer.node.tenants import Tenant
+from edgeinfer.types import router_trust
+from edgeinfer.types.router_trust import SIG_HEADER, TENANT_HEADER, TS_HEADER
 
 # Declared so /openapi.json documents bearer auth; the registry reads the raw header itself.
 _bearer = HTTPBearer(auto_error=False, description="API key from the node's tenants file")
@@ -16,10 +20,28 @@ _bearer = HTTPBearer(auto_error=False, description="API key from the node's tena
 def authenticated(
     request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Tenant:
-    """Runs before the body is validated, so a wrong key is a 401 whatever the body holds."""
-    tenant = request.app.state.service.tenants.authenticate(request.headers.get("authorization"))
+    """Runs before the body is validated, so a wrong key is a 401 whatever the body holds.
+
+    A request a router signed (router_trust) carries its tenant; a forged or expired signature is a 401.
+    Nodes without the routers' secret ignore those headers and check the API key themselves.
+    """
+    tenants = request.app.state.service.tenants
+    secret = request.app.state.node_config.router_secret
+    if secret is not None and TENANT_HEADER in request.headers:
+        tenant = tenants.by_name(_trusted_tenant(request, secret))
+    else:
+        tenant = tenants.authenticate(request.headers.get("authorization"))
     request.state.access["tenant"] = tenant.name
     return tenant
+
+
+def _trusted_tenant(request: Request, secret: bytes) -> str:
+    headers = request.headers
+    name = headers[TENANT_HEADER]
+    ts, sig = headers.get(TS_HEADER, ""), headers.get(SIG_HEADER, "")
+    if not router_trust.verify(secret, name, ts, sig, time.time()):
+        raise unauthorized("invalid or expired router signature on the tenant header")
+    return name
 
 
 AuthTenant = Annotated[Tenant, Depends(authenticated)]

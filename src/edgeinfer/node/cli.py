@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from edgeinfer.pool.spec import (
     parse_model_arg,
     parse_upstream_arg,
 )
+from edgeinfer.types.router_trust import load_secret
 
 DEFAULT_MODEL = "gemma-3-270m"
 DEFAULT_ALIASES = ("@cf/google/gemma-3-270m",)
@@ -160,6 +162,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             metavar=kind.__name__.upper(),
             help=f"{text} ({value:g})",
         )
+    fleet = parser.add_argument_group("fleet (behind `edgeinfer router`; see docs/router.md)")
+    fleet.add_argument("--node-id", default=None, help="this node's id in the fleet file (HOSTNAME-PORT)")
+    fleet.add_argument("--location", default="", help="the location code this node is in (FRA, AMS, ...)")
+    fleet.add_argument(
+        "--nats-url", default=None, metavar="URL", help="publish this node's status on NATS (nats://...)"
+    )
+    fleet.add_argument(
+        "--status-interval-ms", type=float, default=100.0, help="how often the status is published (100)"
+    )
+    fleet.add_argument(
+        "--router-secret-file",
+        default=None,
+        metavar="FILE",
+        help="secret shared with the routers: trust the tenant they sign into x-edgeinfer-tenant",
+    )
     limits = parser.add_argument_group(
         "request limits (beyond them: 400, 413 for the body, 429 for the queue)"
     )
@@ -207,6 +224,11 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         usage_db=args.usage_db or default_usage_db(),
         server_secret=Path(args.secret_file).read_bytes() if args.secret_file else None,
         preload=tuple(_preload_names(args)),
+        node_id=args.node_id or f"{socket.gethostname()}-{args.port}",
+        location=args.location,
+        nats_url=args.nats_url,
+        status_interval_s=args.status_interval_ms / 1000.0,
+        router_secret=load_secret(args.router_secret_file) if args.router_secret_file else None,
     )
 
 

@@ -67,3 +67,10 @@ class NodeConfig:
     preload: tuple[str, ...] = ()
     # Usage of requests in flight is saved this often, so a crash loses at most this much of it.
     usage_checkpoint_s: float = 1.0
+    # Fleet membership: how routers know this node (docs/router.md).
+    node_id: str = ""
+    location: str = ""
+    nats_url: str | None = None  # publish NodeStatus there every status_interval_s
+    status_interval_s: float = 0.1
+    # Shared with the routers: a request signed with it carries a tenant the node trusts (router_trust).
+    router_secret: bytes | None = None

@@ -1,13 +1,19 @@
-"""Operational routes: /health (liveness), /ready (preloads done), /metrics (Prometheus)."""
+"""Operational routes: /health (liveness), /ready (preloads done), /node/status (for routers),
+/metrics (Prometheus)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from edgeinfer.node.errors import ApiError, bad_request, model_not_found
+from edgeinfer.node.fleet_status import node_status
 from edgeinfer.obs.metrics import CONTENT_TYPE
+from edgeinfer.pool.manager import UnknownModelError
+from edgeinfer.types import router_trust
 
 router = APIRouter()
 
@@ -25,6 +31,46 @@ async def ready(request: Request) -> JSONResponse:
     resident = sorted(state.name for state in pool.states() if state.state == "resident")
     body = {"status": "ready" if is_ready else "starting", "resident_models": resident}
     return JSONResponse(body, status_code=200 if is_ready else 503)
+
+
+@router.get("/node/status", tags=["ops"])
+async def status(request: Request) -> Response:
+    """The NodeStatus routers read (the same JSON the node publishes on NATS)."""
+    snapshot = node_status(request.app.state.node_config, request.app.state.service.pool)
+    return Response(snapshot.to_json(), media_type="application/json")
+
+
+@router.post("/node/prefetch", tags=["ops"])
+async def prefetch(request: Request) -> JSONResponse:
+    """A router's placement loop asks the pool to load a model in the background (`{"model": name}`).
+
+    Only routers may: the request must carry a valid router signature (types/router_trust.py).
+    """
+    secret = request.app.state.node_config.router_secret
+    headers = request.headers
+    signed = secret is not None and router_trust.verify(
+        secret,
+        headers.get(router_trust.TENANT_HEADER, ""),
+        headers.get(router_trust.TS_HEADER, ""),
+        headers.get(router_trust.SIG_HEADER, ""),
+        time.time(),
+    )
+    if not signed:
+        raise ApiError(
+            403, "only a router holding the shared secret may ask for a model load", code="forbidden"
+        )
+    try:
+        body = await request.json()
+    except ValueError:
+        raise bad_request('body must be JSON: {"model": NAME}') from None
+    pool = request.app.state.service.pool
+    try:
+        name = pool.resolve(str(body.get("model", "")) if isinstance(body, dict) else "")
+    except UnknownModelError as exc:
+        raise model_not_found(str(exc)) from None
+    pool.prefetch(name)
+    state = next(s.state for s in pool.states() if s.name == name)
+    return JSONResponse({"model": name, "state": state}, status_code=202)
 
 
 @router.get("/metrics", tags=["ops"])

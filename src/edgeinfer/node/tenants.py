@@ -57,6 +57,7 @@ class TenantRegistry:
         if not by_key_hash and open_tenant is None:
             raise ValueError("a tenants file must define at least one tenant")
         self._by_hash = dict(by_key_hash)
+        self._by_name = {tenant.name: tenant for tenant in self._by_hash.values()}
         self._open = open_tenant
 
     @property
@@ -87,6 +88,15 @@ class TenantRegistry:
             names.add(tenant.name)
             by_hash[key_hash] = tenant
         return cls(by_hash)
+
+    def by_name(self, name: str) -> Tenant:
+        """The tenant a router vouched for (open mode: the open tenant); 401 ApiError when unknown."""
+        if self._open is not None:
+            return self._open
+        tenant = self._by_name.get(name)
+        if tenant is None:
+            raise unauthorized(f"tenant {name!r} (from the router) is not in this node's tenants file")
+        return tenant
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant for an `Authorization: Bearer KEY` header; 401 ApiError otherwise."""

