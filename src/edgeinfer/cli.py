@@ -1,4 +1,4 @@
-"""One CLI, `edgeinfer`: generate, serve, bench, quantize, compress, eval.
+"""One CLI, `edgeinfer`: generate, serve, bench, quantize, compress, eval, fleet.
 
 Each room owns its subcommand in its own `cli.py` (`add_arguments(parser)` and `run(args) -> int`);
 this file only routes. Errors the user can fix end as one line on stderr and exit code 2.
@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("edgeinfer.engine.quant.cli", "write a weight-quantized checkpoint"),
     "compress": ("edgeinfer.engine.quant.cli", "write a losslessly compressed BF16 checkpoint"),
     "eval": ("edgeinfer.eval.cli", "perplexity and divergence against a baseline"),
+    "fleet": ("edgeinfer.fleet.cli", "fleet tools: simulate"),
 }
 
 
