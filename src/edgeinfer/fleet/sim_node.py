@@ -104,24 +104,27 @@ class Node:
         self.busy_s = 0.0
         self.queue_depth = 0
         self.num_running = 0
+        self.kv_reserved = 0  # sum of the slots' `reserved`, kept for the status a router reads
+        self.kv_total = 0
+        self.warm_set: frozenset[int] = frozenset()
+        self.loading_set: frozenset[int] = frozenset()
         self._wake: simpy.Event | None = None
         env.process(self._loop())
 
     # ---- state the policies read -----------------------------------------------------------------
     def warm(self, model: int) -> bool:
-        slot = self.slots.get(model)
-        return slot is not None and slot.ready_at <= self.env.now
-
-    def models_warm(self) -> list[int]:
-        return [m for m in self.slots if self.warm(m)]
-
-    def models_loading(self) -> list[int]:
-        return [m for m in self.slots if not self.warm(m)]
+        return model in self.warm_set
 
     def kv_usage(self) -> float:
-        used = sum(s.reserved for s in self.slots.values())
-        total = sum(s.profile.kv_tokens for s in self.slots.values())
-        return used / total if total else 0.0
+        return self.kv_reserved / self.kv_total if self.kv_total else 0.0
+
+    def _residency_changed(self) -> None:
+        now = self.env.now
+        self.warm_set = frozenset(m for m, s in self.slots.items() if s.ready_at <= now)
+        self.loading_set = frozenset(self.slots) - self.warm_set
+        self.kv_total = sum(s.profile.kv_tokens for s in self.slots.values())
+        for m in range(self.board.warm.shape[0]):
+            self.board.warm[m, self.node_id] = m in self.warm_set
 
     @property
     def saturated(self) -> bool:
@@ -140,7 +143,6 @@ class Node:
         while free < profile.memory_gb and idle:
             victim = idle.pop(0)
             del self.slots[victim.model]
-            self.board.warm[victim.model, self.node_id] = False
             free += victim.profile.memory_gb
         if free < profile.memory_gb:
             return False
@@ -149,13 +151,12 @@ class Node:
         self.slots[model] = slot
         if load_s:
             self.env.timeout(load_s).callbacks.append(lambda _: self._loaded(slot))
-        else:
-            self.board.warm[model, self.node_id] = True
+        self._residency_changed()
         return True
 
     def _loaded(self, slot: ModelSlot) -> None:
         if self.slots.get(slot.model) is slot:
-            self.board.warm[slot.model, self.node_id] = True
+            self._residency_changed()
             self._poke()
 
     # ---- requests --------------------------------------------------------------------------------
@@ -205,6 +206,7 @@ class Node:
                 slot.waiting.popleft()
                 req.cached = cached
                 slot.reserved += need
+                self.kv_reserved += need
                 slot.running.append(req)
                 slot.last_used = now
                 budget -= req.prompt - cached
@@ -254,6 +256,7 @@ class Node:
     def _finish(self, slot: ModelSlot, req: SimRequest, now: float) -> None:
         slot.running.remove(req)
         slot.reserved -= req.prompt + req.output - req.cached
+        self.kv_reserved -= req.prompt + req.output - req.cached
         slot.remember(req)
         slot.last_used = now
         self.num_running -= 1

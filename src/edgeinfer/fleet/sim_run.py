@@ -36,7 +36,7 @@ def build_locations(scenario: Scenario) -> list[Location]:
     spec = scenario.locations
     if spec.source == "world":
         when = datetime.fromisoformat(scenario.start.removesuffix("Z"))
-        return world_metros(spec.count, spec.merge_km, when)
+        return list(world_metros(spec.count, spec.merge_km, when))
     if spec.source == "list":
         if not spec.sites:
             raise ValueError("locations.source = 'list' needs [[locations.sites]]")
