@@ -1,4 +1,4 @@
-"""One CLI, `edgeinfer`: generate, serve, bench, quantize, compress, eval, fleet.
+"""One CLI, `edgeinfer`: generate, serve, router, bench, quantize, compress, eval, fleet.
 
 Each room owns its subcommand in its own `cli.py` (`add_arguments(parser)` and `run(args) -> int`);
 this file only routes. Errors the user can fix end as one line on stderr and exit code 2.
@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("edgeinfer.engine.cli", "generate a completion for one prompt (text to stdout)"),
     "serve": ("edgeinfer.node.cli", "run the node server (OpenAI and Workers-AI APIs)"),
+    "router": ("edgeinfer.router.cli", "run the edge router in front of a fleet of nodes"),
     "bench": ("edgeinfer.bench.cli", "benchmark a running OpenAI-compatible server"),
     "quantize": ("edgeinfer.engine.quant.cli", "write a weight-quantized checkpoint"),
     "compress": ("edgeinfer.engine.quant.cli", "write a losslessly compressed BF16 checkpoint"),

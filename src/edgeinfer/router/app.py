@@ -1,0 +1,69 @@
+"""The router's FastAPI application: `create_router_app(config, fleet)`."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from edgeinfer import __version__
+from edgeinfer.node import error_handlers
+from edgeinfer.node.files import load_table
+from edgeinfer.node.tenants import TenantRegistry
+from edgeinfer.router import routes
+from edgeinfer.router.breaker import CircuitBreaker
+from edgeinfer.router.config import RouterConfig
+from edgeinfer.router.fleet_file import Fleet
+from edgeinfer.router.metrics import RouterMetrics
+from edgeinfer.router.proxy import Forwarder
+from edgeinfer.router.service import RouterService
+from edgeinfer.router.sources import NatsSource, PollSource
+from edgeinfer.router.state import FleetState
+
+logger = logging.getLogger("edgeinfer.router")
+
+
+def create_router_app(config: RouterConfig, fleet: Fleet) -> FastAPI:
+    if config.location not in fleet.rtt:
+        raise ValueError(f"router location {config.location!r} is not a location of the fleet file")
+    # The router's registry only checks keys; cache namespaces are derived on the nodes.
+    namespace_key = secrets.token_bytes(32)
+    if config.tenants_file:
+        tenants = TenantRegistry.from_mapping(load_table(config.tenants_file), namespace_key)
+    else:
+        tenants = TenantRegistry.open(namespace_key)
+    state = FleetState(fleet, lambda: CircuitBreaker(config.breaker_failures, config.breaker_reset_s))
+    metrics = RouterMetrics(lambda: [(v.entry.node_id, v.breaker.state) for v in state.nodes.values()])
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        timeout = httpx.Timeout(config.idle_timeout_s, connect=config.connect_timeout_s)
+        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            source = NatsSource(config.nats_url, state) if config.nats_url else PollSource(state, client)
+            app.state.service = RouterService(
+                config, tenants, state, Forwarder(config, state, client, metrics), metrics
+            )
+            await source.start()
+            app.state.ready = True
+            logger.info("router ready at %s; %d nodes in the fleet file", config.location, len(fleet.nodes))
+            try:
+                yield
+            finally:
+                app.state.ready = False
+                await source.stop()
+
+    app = FastAPI(
+        title="edgeinfer router",
+        version=__version__,
+        description="Routes OpenAI and Workers-AI requests to the best node of a fleet of locations.",
+        lifespan=lifespan,
+    )
+    app.state.ready = False
+    error_handlers.install(app)
+    app.include_router(routes.router)
+    return app

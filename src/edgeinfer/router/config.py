@@ -1,0 +1,29 @@
+"""Frozen configuration of one router."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edgeinfer.node.config import NodeLimits
+from edgeinfer.router.policy import PolicyConfig
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    location: str  # the router's own location: clients without x-client-location are counted here
+    tenants_file: str | None = None
+    router_secret: bytes | None = None  # signs the tenant header for nodes (types/router_trust.py)
+    nats_url: str | None = None  # fleet state from NATS; None: poll every node's /node/status
+    poll_interval_s: float = 0.1
+    strategy: str = "ttft"
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # The same request limits as the nodes', so that malformed bodies get the node's 4xx here.
+    limits: NodeLimits = field(default_factory=NodeLimits)
+    emulate_rtt: bool = False
+    connect_timeout_s: float = 1.0
+    first_byte_timeout_s: float = 120.0  # from arrival to the node's response headers, retries included
+    idle_timeout_s: float = 120.0  # longest silence between two chunks of a response
+    max_attempts: int = 3
+    breaker_failures: int = 3
+    breaker_reset_s: float = 2.0
+    seed: int | None = None  # for the policy's random choices (tests, benchmarks)

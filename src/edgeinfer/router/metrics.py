@@ -1,0 +1,75 @@
+"""Prometheus series of a router, under `edgeinfer_router:`. Labels stay bounded: locations and nodes
+come from the fleet file, outcomes are HTTP statuses or a few words."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from edgeinfer.router.breaker import STATE_VALUES
+from edgeinfer.router.fleet_file import NodeEntry
+
+PREFIX = "edgeinfer_router:"
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
+FIRST_BYTE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 25.0, 50.0)
+
+
+class RouterMetrics:
+    def __init__(self, breaker_states: Callable[[], Iterable[tuple[str, str]]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.routed = Counter(
+            PREFIX + "routed_requests",
+            "Node answers by node and outcome.",
+            ["location", "node", "outcome"],
+            registry=r,
+        )
+        self.spillovers = Counter(
+            PREFIX + "spillovers",
+            "Requests sent away from the nearest location with the model warm.",
+            ["client_location"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            PREFIX + "rejected_requests", "Every candidate busy: 429.", ["model"], registry=r
+        )
+        self.retries = Counter(
+            PREFIX + "retries", "Attempts on another node before the first byte.", registry=r
+        )
+        self.decision = Histogram(
+            PREFIX + "decision_seconds",
+            "Time to rank the nodes for a request.",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.first_byte = Histogram(
+            PREFIX + "first_byte_seconds",
+            "Arrival at the router to the node's response headers (retries included).",
+            buckets=FIRST_BYTE_BUCKETS,
+            registry=r,
+        )
+        r.register(_BreakerCollector(breaker_states))
+
+    def count(self, entry: NodeEntry, outcome: str) -> None:
+        self.routed.labels(entry.location, entry.node_id, outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _BreakerCollector(Collector):
+    def __init__(self, states: Callable[[], Iterable[tuple[str, str]]]) -> None:
+        self._states = states
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(
+            PREFIX + "breaker_state",
+            "Circuit breaker per node: 0 closed, 1 half-open, 2 open.",
+            labels=["node"],
+        )
+        for node, state in self._states():
+            family.add_metric([node], STATE_VALUES[state])
+        yield family

@@ -1,0 +1,170 @@
+"""Forwarding one request to the ranked nodes: retries before the first byte, never after.
+
+A node's answer is committed to the client when its response headers arrive with a status other than
+429 or 5xx (a node streams its headers only once the first token exists, so errors found on admission
+still come as a status). Until then, a connection failure, timeout, 5xx or 429 moves on to the next
+candidate; after it, a failure aborts the client's connection — a half-sent answer is never repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import httpx
+from fastapi.responses import Response
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from edgeinfer.node.disconnect import ClientDisconnected, until_disconnect
+from edgeinfer.node.errors import ApiError, unavailable
+from edgeinfer.router.config import RouterConfig
+from edgeinfer.router.metrics import RouterMetrics
+from edgeinfer.router.policy import Candidate
+from edgeinfer.router.state import FleetState, NodeView
+
+logger = logging.getLogger("edgeinfer.router")
+
+STATUS_CLIENT_CLOSED = 499
+# Not forwarded either way: connection-level headers, the body length (the body is re-framed) and
+# what our own server sets again.
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "date",
+    "server",
+}
+
+
+@dataclass
+class Forward:
+    """One request to forward: the body as the client sent it and the headers the node gets."""
+
+    path: str
+    body: bytes
+    headers: dict[str, str]
+    client_location: str
+    started: float
+
+
+class NodeAnswer(Exception):
+    """A retryable answer (429, 5xx) that is what the client gets if every candidate fails alike."""
+
+    def __init__(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.status, self.body, self.headers = status, body, headers
+
+
+class Forwarder:
+    def __init__(
+        self, config: RouterConfig, state: FleetState, client: httpx.AsyncClient, metrics: RouterMetrics
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.client = client
+        self.metrics = metrics
+
+    async def forward(self, request: Request, job: Forward, ranked: Sequence[Candidate]) -> Response:
+        last: NodeAnswer | None = None
+        tried = 0
+        for candidate in ranked:
+            if tried >= self.config.max_attempts:
+                break
+            view = self.state.nodes[candidate.node_id]
+            if not view.breaker.acquire():
+                continue
+            if tried:
+                self.metrics.retries.inc()
+            tried += 1
+            try:
+                return await until_disconnect(request, self._attempt(view, job))
+            except ClientDisconnected:
+                view.breaker.release()
+                self.metrics.count(view.entry, "client_closed")
+                return Response(status_code=STATUS_CLIENT_CLOSED)
+            except NodeAnswer as answer:
+                last = answer
+            except TimeoutError:
+                view.breaker.failure()
+                self.metrics.count(view.entry, "timeout")
+                raise ApiError(
+                    504, "no node answered before the deadline", type="timeout", code="timeout"
+                ) from None
+            except httpx.HTTPError as exc:
+                view.breaker.failure()
+                self.metrics.count(view.entry, "unreachable")
+                logger.warning("node %s failed before the first byte: %r", view.entry.node_id, exc)
+        if last is not None:
+            return Response(last.body, status_code=last.status, headers=last.headers)
+        raise unavailable("no node could take the request; retry shortly", retry_after=1.0)
+
+    async def _attempt(self, view: NodeView, job: Forward) -> Response:
+        entry = view.entry
+        await self._emulate_one_way(job.client_location, entry.location)
+        remaining = job.started + self.config.first_byte_timeout_s - time.monotonic()
+        request = self.client.build_request(
+            "POST", entry.url + job.path, content=job.body, headers=job.headers
+        )
+        async with asyncio.timeout(max(0.0, remaining)):
+            response = await self.client.send(request, stream=True)
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
+        if response.status_code == 429 or response.status_code >= 500:
+            body = await response.aread()
+            await response.aclose()
+            if response.status_code >= 500:
+                view.breaker.failure()
+            else:
+                view.breaker.success()
+            self.metrics.count(entry, str(response.status_code))
+            raise NodeAnswer(response.status_code, body, headers)
+        view.breaker.success()
+        await self._emulate_one_way(entry.location, job.client_location)
+        self.metrics.count(entry, str(response.status_code))
+        self.metrics.first_byte.observe(time.monotonic() - job.started)
+        headers.update({"x-edgeinfer-node": entry.node_id, "x-edgeinfer-location": entry.location})
+        return RelayResponse(response, view, headers)
+
+    async def _emulate_one_way(self, a: str, b: str) -> None:
+        if self.config.emulate_rtt:
+            await asyncio.sleep(self.state.fleet.rtt(a, b) / 2)
+
+
+class RelayResponse(StreamingResponse):
+    """Passes the node's body through chunk by chunk; closes the node's response however it ends
+    (closing it mid-stream drops that connection, which is how the node learns the client left)."""
+
+    def __init__(self, upstream: httpx.Response, view: NodeView, headers: dict[str, str]) -> None:
+        super().__init__(_chunks(upstream, view), status_code=upstream.status_code, headers=headers)
+        self._upstream = upstream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self._upstream.aclose()
+
+
+async def _chunks(upstream: httpx.Response, view: NodeView) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError:
+        # The node went away mid-answer: the client's connection is aborted, never resumed elsewhere.
+        view.breaker.failure()
+        logger.warning(
+            "node %s failed after the first byte; aborting the client's answer", view.entry.node_id
+        )
+        raise

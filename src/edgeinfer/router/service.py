@@ -1,0 +1,113 @@
+"""One request through the router: authenticate → validate → decide → forward (proxy.py)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+
+from fastapi.responses import Response
+from starlette.requests import Request
+
+from edgeinfer.node.errors import busy, model_not_found
+from edgeinfer.node.jobs import Job
+from edgeinfer.node.tenants import Tenant, TenantRegistry
+from edgeinfer.router.config import RouterConfig
+from edgeinfer.router.metrics import RouterMetrics
+from edgeinfer.router.policy import Decision, RequestFeatures, decide
+from edgeinfer.router.proxy import HOP_BY_HOP, Forward, Forwarder
+from edgeinfer.router.state import FleetState
+from edgeinfer.types import router_trust
+
+CLIENT_LOCATION_HEADER = "x-client-location"
+AFFINITY_HEADER = "x-session-affinity"
+# The router does not tokenize: ~4 bytes of JSON body per prompt token is close enough for ranking.
+BYTES_PER_TOKEN = 4
+MAX_SESSIONS = 100_000
+
+
+class SessionMemory:
+    """Which node served a session's last turn and how long its prompt was: the policy counts that
+    prefix as cached there (LRU, bounded)."""
+
+    def __init__(self, capacity: int = MAX_SESSIONS) -> None:
+        self._capacity = capacity
+        self._last: OrderedDict[str, tuple[str, int]] = OrderedDict()
+
+    def cached_tokens(self, key: str | None, prompt_tokens: int) -> dict[str, int]:
+        if key is None or key not in self._last:
+            return {}
+        node_id, tokens = self._last[key]
+        self._last.move_to_end(key)
+        return {node_id: min(tokens, prompt_tokens)}
+
+    def remember(self, key: str, node_id: str, prompt_tokens: int) -> None:
+        self._last[key] = (node_id, prompt_tokens)
+        self._last.move_to_end(key)
+        while len(self._last) > self._capacity:
+            self._last.popitem(last=False)
+
+
+class RouterService:
+    def __init__(
+        self,
+        config: RouterConfig,
+        tenants: TenantRegistry,
+        state: FleetState,
+        forwarder: Forwarder,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.config = config
+        self.tenants = tenants
+        self.state = state
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self.sessions = SessionMemory()
+        self.rng = random.Random(config.seed)
+
+    def client_location(self, request: Request) -> str:
+        code = request.headers.get(CLIENT_LOCATION_HEADER, "").strip().upper()
+        return code if code in self.state.fleet.rtt else self.config.location
+
+    async def route(self, request: Request, tenant: Tenant, job: Job) -> Response:
+        started = time.monotonic()
+        body = await request.body()
+        location = self.client_location(request)
+        affinity = request.headers.get(AFFINITY_HEADER)
+        session = f"{tenant.name}/{affinity}" if affinity else None
+        tokens = len(body) // BYTES_PER_TOKEN
+        features = RequestFeatures(
+            job.model, tokens, location, affinity, tenant.name, self.sessions.cached_tokens(session, tokens)
+        )
+        decision = self._decide(features)
+        headers = self._node_headers(request, tenant, location)
+        forward = Forward(request.url.path, body, headers, location, started)
+        response = await self.forwarder.forward(request, forward, decision.ranked)
+        node_id = response.headers.get("x-edgeinfer-node")
+        if session is not None and node_id is not None:
+            self.sessions.remember(session, node_id, tokens)
+        return response
+
+    def _decide(self, features: RequestFeatures) -> Decision:
+        t0 = time.perf_counter()
+        decision = decide(self.state.snapshot(), features, self.rng, self.config.policy, self.config.strategy)
+        self.metrics.decision.observe(time.perf_counter() - t0)
+        if decision.kind == "unknown_model":
+            served = ", ".join(sorted(self.state.served_models(self.config.policy.drop_after_s))) or "nothing"
+            raise model_not_found(f"model {features.model!r} does not exist; this fleet serves: {served}")
+        if decision.kind == "reject":
+            self.metrics.rejected.labels(features.model).inc()
+            raise busy(f"every node serving {features.model} is busy; retry shortly", decision.retry_after_s)
+        if decision.spilled:
+            self.metrics.spillovers.labels(features.client_location).inc()
+        return decision
+
+    def _node_headers(self, request: Request, tenant: Tenant, location: str) -> dict[str, str]:
+        """The client's headers minus connection-level ones and any tenant header it sent (only a
+        router may set those), plus the signed tenant and the resolved client location."""
+        strip = HOP_BY_HOP | set(router_trust.TRUST_HEADERS)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in strip}
+        headers[CLIENT_LOCATION_HEADER] = location
+        if self.config.router_secret is not None:
+            headers.update(router_trust.signed_headers(self.config.router_secret, tenant.name, time.time()))
+        return headers

@@ -1,0 +1,74 @@
+"""Where fleet state comes from: NATS (any number of routers, nodes publish, no polling) or HTTP polling
+of each node's GET /node/status (a static node list, no broker). Both feed `FleetState.update`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import httpx
+
+from edgeinfer.router.state import FleetState
+from edgeinfer.types.status import STATUS_SUBJECT_PREFIX, NodeStatus
+
+logger = logging.getLogger("edgeinfer.router")
+
+
+class NatsSource:
+    def __init__(self, url: str, state: FleetState) -> None:
+        self._url = url
+        self._state = state
+        self._nc = None
+
+    async def start(self) -> None:
+        import nats
+
+        self._nc = await nats.connect(self._url, name="edgeinfer-router", max_reconnect_attempts=-1)
+        await self._nc.subscribe(f"{STATUS_SUBJECT_PREFIX}.>", cb=self._on_message)
+
+    async def _on_message(self, msg: Any) -> None:  # a nats.aio.msg.Msg
+        try:
+            self._state.update(NodeStatus.from_json(msg.data))
+        except ValueError as exc:
+            logger.warning("bad status on %s: %s", msg.subject, exc)
+
+    async def stop(self) -> None:
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+
+
+class PollSource:
+    """Polls every node every `interval_s`; a node that does not answer keeps its last status, which
+    then ages into stale and dropped like a silent publisher's."""
+
+    def __init__(self, state: FleetState, client: httpx.AsyncClient, interval_s: float = 0.1) -> None:
+        self._state = state
+        self._client = client
+        self._interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="status-poller")
+
+    async def _loop(self) -> None:
+        while True:
+            views = list(self._state.nodes.values())
+            await asyncio.gather(*(self._poll(v.entry.url) for v in views))
+            await asyncio.sleep(self._interval_s)
+
+    async def _poll(self, url: str) -> None:
+        try:
+            response = await self._client.get(url + "/node/status", timeout=self._interval_s * 5)
+            response.raise_for_status()
+            self._state.update(NodeStatus.from_json(response.content))
+        except (httpx.HTTPError, ValueError):
+            pass  # silence is the signal: the status ages
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

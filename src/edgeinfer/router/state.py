@@ -1,0 +1,84 @@
+"""What the router knows of the fleet: each node's last status, when it arrived, and its breaker.
+
+Statuses come from a source (NATS or HTTP polling, sources.py); ages are measured on the router's
+monotonic clock from when a status *arrived*, so node clocks need not agree with the router's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from edgeinfer.router.breaker import CircuitBreaker
+from edgeinfer.router.fleet_file import Fleet, NodeEntry
+from edgeinfer.router.policy import NodeState, Snapshot
+from edgeinfer.types.status import NodeStatus
+
+logger = logging.getLogger("edgeinfer.router")
+
+
+@dataclass
+class NodeView:
+    entry: NodeEntry
+    breaker: CircuitBreaker
+    status: NodeStatus | None = None
+    received_at: float = float("-inf")
+
+
+class FleetState:
+    def __init__(
+        self,
+        fleet: Fleet,
+        breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fleet = fleet
+        self.clock = clock
+        self.nodes = {e.node_id: NodeView(e, breaker_factory()) for e in fleet.nodes}
+        self._unknown_seen: set[str] = set()
+
+    def update(self, status: NodeStatus) -> None:
+        view = self.nodes.get(status.node_id)
+        if view is None:
+            if status.node_id not in self._unknown_seen:
+                self._unknown_seen.add(status.node_id)
+                logger.warning("ignoring status of node %r: not in the fleet file", status.node_id)
+            return
+        view.status = status
+        view.received_at = self.clock()
+
+    def snapshot(self) -> Snapshot:
+        """The policy's view: nodes that reported at least once, located where the fleet file says."""
+        return Snapshot(
+            [_state(view) for view in self.nodes.values() if view.status is not None],
+            self.fleet.rtt,
+            self.clock(),
+        )
+
+    def served_models(self, max_age_s: float) -> set[str]:
+        now = self.clock()
+        names: set[str] = set()
+        for view in self.nodes.values():
+            if view.status is not None and now - view.received_at <= max_age_s:
+                names.update(view.status.models_available)
+        return names
+
+
+def _state(view: NodeView) -> NodeState:
+    status = view.status
+    assert status is not None
+    return NodeState(
+        node_id=status.node_id,
+        location=view.entry.location,
+        models_available=frozenset(status.models_available),
+        models_warm=frozenset(status.models_warm),
+        models_loading=frozenset(status.models_loading),
+        queue_depth=status.queue_depth,
+        running=status.running,
+        kv_usage=status.kv_usage,
+        capacity=status.capacity,
+        ts=view.received_at,
+        available=view.breaker.available(),
+    )
