@@ -24,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(POLICY_NAMES)}")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--duration-s", type=float, default=None, help="simulated time (overrides the scenario)")
+    p.add_argument("--start", default=None, help="UTC start, e.g. 2026-06-01T11:00:00 (sets local times)")
     p.add_argument("--requests-per-s", type=float, default=None, help="fleet-wide mean request rate")
     p.add_argument("--accelerators", default=None, help="fleet size, or a comma-separated list to sweep")
     p.add_argument("--no-plots", action="store_true")
@@ -59,6 +60,8 @@ def _overrides(scenario: Scenario, args: argparse.Namespace) -> Scenario:
         scenario = replace(scenario, policies=names)
     if args.seed is not None:
         scenario = replace(scenario, seed=args.seed)
+    if args.start is not None:
+        scenario = replace(scenario, start=args.start)
     if args.duration_s is not None:
         scenario = replace(scenario, duration_s=args.duration_s)
     if args.requests_per_s is not None:
