@@ -80,7 +80,7 @@ COLUMNS = (
     ("rejected %", "rejected_pct", "{:.2f}"),
     ("prefix hit %", "prefix_hit_pct", "{:.1f}"),
     ("util %", "utilisation_pct", "{:.1f}"),
-    ("accel-h", "accelerator_hours", "{:.0f}"),
+    ("accel-h", "accelerator_hours", "{:.4g}"),
     ("$/M tok", "usd_per_m_tokens", "{:.3f}"),
 )
 
