@@ -111,7 +111,7 @@ class Fleet:
             queue_depth=node.queue_depth,
             running=node.num_running,
             kv_usage=node.kv_usage(),
-            capacity=node.limits.max_batch,
+            capacity=node.capacity,
             ts=self.env.now,
         )
 

@@ -104,8 +104,6 @@ class Node:
         self.busy_s = 0.0
         self.queue_depth = 0
         self.num_running = 0
-        self.kv_reserved = 0  # sum of the slots' `reserved`, kept for the status a router reads
-        self.kv_total = 0
         self.warm_set: frozenset[int] = frozenset()
         self.loading_set: frozenset[int] = frozenset()
         self._wake: simpy.Event | None = None
@@ -116,13 +114,18 @@ class Node:
         return model in self.warm_set
 
     def kv_usage(self) -> float:
-        return self.kv_reserved / self.kv_total if self.kv_total else 0.0
+        """The fullest resident model's KV pool, as a node's NodeStatus reports it."""
+        return max((s.reserved / s.profile.kv_tokens for s in self.slots.values()), default=0.0)
+
+    @property
+    def capacity(self) -> int:
+        """Sequence slots of all resident models, as a node's NodeStatus reports it."""
+        return self.limits.max_batch * max(1, len(self.slots))
 
     def _residency_changed(self) -> None:
         now = self.env.now
         self.warm_set = frozenset(m for m, s in self.slots.items() if s.ready_at <= now)
         self.loading_set = frozenset(self.slots) - self.warm_set
-        self.kv_total = sum(s.profile.kv_tokens for s in self.slots.values())
         for m in range(self.board.warm.shape[0]):
             self.board.warm[m, self.node_id] = m in self.warm_set
 
@@ -206,7 +209,6 @@ class Node:
                 slot.waiting.popleft()
                 req.cached = cached
                 slot.reserved += need
-                self.kv_reserved += need
                 slot.running.append(req)
                 slot.last_used = now
                 budget -= req.prompt - cached
@@ -256,7 +258,6 @@ class Node:
     def _finish(self, slot: ModelSlot, req: SimRequest, now: float) -> None:
         slot.running.remove(req)
         slot.reserved -= req.prompt + req.output - req.cached
-        self.kv_reserved -= req.prompt + req.output - req.cached
         slot.remember(req)
         slot.last_used = now
         self.num_running -= 1
