@@ -25,10 +25,17 @@ from edgeinfer.fleet.sim_scenario import load_scenario
 
 sys.path.insert(0, str(Path(__file__).parent))
 from docs_table import replace_section
-from offline_throughput import machine
 
 GRID = ((100, 20.0), (300, 10.0), (300, 20.0), (300, 40.0))
 POLICIES = ("router", "nearest", "least-loaded", "round-robin")
+
+
+def machine() -> str:
+    """The CPU's model name (the simulator is single-threaded pure Python + numpy; no torch)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
 
 
 def point(locations: int, rate: float, minutes: float) -> tuple[int, dict[str, float]]:
@@ -67,7 +74,7 @@ def main() -> None:
         [
             "### Fleet simulator run time",
             "",
-            f"Machine: {machine()}; 1-min load average {load_before:.1f} before, "
+            f"Machine: {machine()}, one process; 1-min load average {load_before:.1f} before, "
             f"{os.getloadavg()[0]:.1f} after. Process CPU time per policy (µs per request in brackets), "
             f"{args.minutes:g} simulated minutes of `world-300.toml` from 11:00 UTC.",
             f"Command: `.venv/bin/python bench/fleet_sim_scale.py --minutes {args.minutes:g} --write-docs`",
