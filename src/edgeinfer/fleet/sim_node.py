@@ -38,6 +38,8 @@ class Board:
 
     def __init__(self, num_nodes: int, num_models: int) -> None:
         self.in_flight = np.zeros(num_nodes)
+        self.capacity = np.ones(num_nodes)
+        self.saturated = np.zeros(num_nodes, dtype=bool)
         self.warm = np.zeros((num_models, num_nodes), dtype=bool)
 
 
@@ -128,6 +130,7 @@ class Node:
         self.loading_set = frozenset(self.slots) - self.warm_set
         for m in range(self.board.warm.shape[0]):
             self.board.warm[m, self.node_id] = m in self.warm_set
+        self.board.capacity[self.node_id] = self.capacity
 
     @property
     def saturated(self) -> bool:
@@ -173,6 +176,7 @@ class Node:
         slot.waiting.append(req)
         self.queue_depth += 1
         self.board.in_flight[self.node_id] += 1
+        self.board.saturated[self.node_id] = self.saturated
         if slot.ready_at <= self.env.now and len(slot.running) < self.limits.max_batch:
             self._poke()
         return True
@@ -215,6 +219,7 @@ class Node:
                 admitted.append((slot, req))
         self.queue_depth -= len(admitted)
         self.num_running += len(admitted)
+        self.board.saturated[self.node_id] = self.saturated
         return admitted
 
     def _prefill(self, admitted: list[tuple[ModelSlot, SimRequest]]):

@@ -6,8 +6,9 @@
   the session's affinity key, and the prefix the session's last node holds. It returns a ranked list; the
   request goes to the first node that accepts it, as the router retries down the list.
 - `nearest`: `decide(..., strategy="nearest")` from the same module: the nearest location with the model warm.
-- `least-loaded`: the least loaded node in the whole fleet with the model warm (cold ones only if none is),
-  ignoring distance. Written here over numpy arrays because the module's version ranks every node per request.
+- `least-loaded`: the least loaded node (in flight per slot) in the whole fleet that is not saturated, warm
+  ones before cold ones, ignoring distance. Written here over numpy arrays because the module's version
+  ranks every node per request.
 - `round-robin`: the next node in a fleet-wide cycle among those with the model warm.
 """
 
@@ -73,9 +74,11 @@ class LeastLoaded:
 
     def choose(self, req: SimRequest, city: int) -> Sequence[Node]:
         board = self.fleet.board
-        # Cold nodes rank after every warm one (as in the module's least_loaded baseline).
-        best = int(np.argmin(board.in_flight + np.where(board.warm[req.model], 0.0, 1e9)))
-        return (self.fleet.nodes[best],)
+        # As the module's least_loaded baseline: busy nodes out, warm before cold, then in-flight per slot.
+        load = board.in_flight / board.capacity + np.where(board.warm[req.model], 0.0, 1e6)
+        load[board.saturated] = np.inf
+        best = int(np.argmin(load))
+        return () if np.isinf(load[best]) else (self.fleet.nodes[best],)
 
 
 class RoundRobin:
