@@ -1,7 +1,8 @@
 """`edgeinfer fleet simulate --scenario FILE`: run a scenario under each policy, write the report folder.
 
 With `--accelerators 300,450,600` it runs once per fleet size and adds `sweep.md`: p99 TTFT and rejects per
-policy and size, and the smallest size at which each policy holds the scenario's p99 TTFT SLO.
+policy and size, and the smallest size from which on each policy holds the scenario's p99 TTFT SLO (at that
+size and every larger one tested).
 """
 
 from __future__ import annotations
@@ -85,9 +86,15 @@ def sweep_markdown(scenario: Scenario, sweep: dict) -> str:
             f"{metrics[p]['slo_p99_ttft_ms']:.0f} ms ({metrics[p]['rejected_pct']:.2f} %)" for p in policies
         ]
         lines.append(f"| {size} | " + " | ".join(cells) + " |")
-    needed = []
-    for p in policies:
-        ok = [size for size, m in sweep.items() if m[p]["slo_p99_ttft_ms"] <= slo]
-        needed.append(str(min(ok)) if ok else f"> {max(sweep)}")
+    needed = [_needed(sweep, p, slo) for p in policies]
     lines.append("| **needed** | " + " | ".join(needed) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _needed(sweep: dict, policy: str, slo: float) -> str:
+    sizes = sorted(sweep)
+    holds = [sweep[size][policy]["slo_p99_ttft_ms"] <= slo for size in sizes]
+    for i, size in enumerate(sizes):
+        if all(holds[i:]):
+            return str(size)
+    return f"> {sizes[-1]}"
