@@ -169,3 +169,20 @@ def test_simulator_routes_through_the_router_policy_module(three_locations):
         sys.setprofile(None)
     assert calls and set(calls) == {"ttft"}
     assert len(calls) == len(result.arrivals) == result.runs[0].fleet.records.node.size
+
+
+def test_least_loaded_skips_saturated_nodes_and_loads_a_cold_copy(tmp_path):
+    raw = _one_location(tmp_path, 1.0, 100.0, busy_queue=1, per_location=[1, 1, 1])
+    raw["locations"]["sites"] = [{"code": c, "lat": 10.0, "lon": 20.0 + i} for i, c in enumerate("ABC")]
+    scenario = parse_scenario(raw, base_dir=tmp_path)
+    prof = parse_profile(json.loads((tmp_path / "p.json").read_text()))
+    arrivals = _arrivals([(0.0, 100, 2, 0, 0)] * 3)
+    fleet = Fleet(scenario, prof, build_locations(scenario), len(arrivals))
+    cold = fleet.nodes[2]
+    del cold.slots[0]  # the model is warm on the first two nodes only
+    cold._residency_changed()
+    fleet.env.process(fleet.feed(arrivals, sim_policies.make_policy("least-loaded", fleet)))
+    fleet.env.run()
+    # One queued request saturates a node: the third goes to the cold node, which loads the model (2 s).
+    assert fleet.records.node.tolist() == [0, 1, 2]
+    assert fleet.records.ttft[2] - fleet.records.rtt[2] == pytest.approx(2.0 + SERVICE_S)
