@@ -17,7 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "embed": ("edgeinfer.engine.embedding.cli", "embed texts; print the vectors' shape and first values"),
     "serve": ("edgeinfer.node.cli", "run the node server (OpenAI and Workers-AI APIs)"),
     "router": ("edgeinfer.router.cli", "run the edge router in front of a fleet of nodes"),
-    "fleet": ("edgeinfer.fleet.cli", "run a loopback fleet: NATS, nodes and routers (`fleet up`)"),
+    "fleet": (
+        "edgeinfer.fleet.cli",
+        "a loopback fleet (`up`) and the fleet simulator (`simulate`)",
+    ),
     "bench": ("edgeinfer.bench.cli", "benchmark a running OpenAI-compatible server"),
     "quantize": ("edgeinfer.engine.quant.cli", "write a weight-quantized checkpoint"),
     "compress": ("edgeinfer.engine.quant.cli", "write a losslessly compressed BF16 checkpoint"),

@@ -1,4 +1,5 @@
-"""`edgeinfer fleet`: SUBCOMMAND. Each subcommand lives in its own module (`up`: up_cli.py)."""
+"""`edgeinfer fleet`: SUBCOMMAND. Each subcommand lives in its own module (`up`: up_cli.py, `simulate`:
+sim_cli.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "edgeinfer.fleet.up_cli",
         "start NATS, a node and a router per location on loopback; Ctrl-C stops all",
     ),
+    "simulate": ("edgeinfer.fleet.sim_cli", "discrete-event simulation of a fleet under each routing policy"),
 }
 
 

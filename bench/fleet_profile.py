@@ -1,0 +1,143 @@
+"""Measure a node profile for the fleet simulator from our engine on this machine.
+
+One node is one core: torch runs one thread, and every time is the process's CPU time
+(`time.process_time`), so other work on a shared machine slows the run but not the numbers.
+
+Per model variant: cold-load time (engine construction), prefill time against prompt length (fit: overhead +
+tokens / throughput), decode step time against batch size and context (fit: base + per_seq x batch +
+per_kctx x total context / 1000), and the memory a resident copy takes (weights + KV pool).
+
+    .venv/bin/python bench/fleet_profile.py [--variants bf16 int8] [--out PROFILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgeinfer.engine.config import DEFAULT_MODEL, EngineConfig
+from edgeinfer.engine.engine import LLMEngine
+from edgeinfer.types import EngineRequest, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offline_throughput import machine
+
+OUT = Path(__file__).parents[1] / "src/edgeinfer/fleet/profiles/cpu-epyc-zen4.json"
+VARIANTS = {"bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+PROMPTS = (64, 256, 1024)
+BATCHES = (1, 4, 16)
+CONTEXTS = (128, 512)
+DECODE_STEPS = 6
+
+
+def load(variant: str) -> tuple[LLMEngine, float]:
+    started = time.process_time()
+    config = EngineConfig(
+        batch_window_ms=0, enable_prefix_caching=False, max_num_batched_tokens=16384, **VARIANTS[variant]
+    )
+    engine = LLMEngine(config)
+    return engine, time.process_time() - started
+
+
+def _add(engine: LLMEngine, rng: random.Random, prompt: int, max_tokens: int) -> None:
+    ids = [rng.randrange(1000, 20000) for _ in range(prompt)]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest(f"r{rng.random()}", ids, sp, arrival_time=engine.clock()))
+
+
+def _drain(engine: LLMEngine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def prefill_times(engine: LLMEngine, rng: random.Random) -> list[tuple[int, float]]:
+    rows = []
+    for n in PROMPTS:
+        _add(engine, rng, n, 1)
+        started = time.process_time()
+        _drain(engine)  # one step: the prompt's prefill, whose sample is the only token
+        rows.append((n, time.process_time() - started))
+    return rows
+
+
+def step_times(engine: LLMEngine, rng: random.Random) -> list[tuple[int, int, float]]:
+    rows = []
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            for _ in range(batch):
+                _add(engine, rng, context, DECODE_STEPS + 2)
+            engine.step()  # prefill of the whole batch
+            engine.step()  # first decode step (warm-up)
+            started = time.process_time()
+            for _ in range(DECODE_STEPS):
+                engine.step()
+            rows.append((batch, context, (time.process_time() - started) / DECODE_STEPS))
+            _drain(engine)
+    return rows
+
+
+def fit(prefill: list[tuple[int, float]], steps: list[tuple[int, int, float]]) -> dict[str, float]:
+    n = np.array([r[0] for r in prefill], dtype=float)
+    slope, intercept = np.polyfit(n, [r[1] for r in prefill], 1)
+    a = np.array([[1.0, b, b * c / 1000] for b, c, _ in steps])
+    coef, *_ = np.linalg.lstsq(a, np.array([s for *_, s in steps]), rcond=None)
+    return {
+        "prefill_tok_s": round(1 / slope, 1),
+        "prefill_overhead_ms": round(max(0.0, intercept) * 1000, 2),
+        "step_base_ms": round(max(0.0, coef[0]) * 1000, 3),
+        "step_per_seq_ms": round(max(0.0, coef[1]) * 1000, 3),
+        "step_per_kctx_ms": round(max(0.0, coef[2]) * 1000, 3),
+    }
+
+
+def profile(variant: str) -> tuple[dict, dict]:
+    engine, load_s = load(variant)
+    rng = random.Random(0)
+    _add(engine, rng, 32, 2)  # warm-up: first-call costs stay out of the fits
+    _drain(engine)
+    prefill, steps = prefill_times(engine, rng), step_times(engine, rng)
+    layout = engine.layout
+    entry = {
+        **fit(prefill, steps),
+        "load_s": round(load_s, 2),
+        "weights_gb": round(layout.weight_bytes / 1e9, 4),
+        "kv_tokens": layout.num_kv_blocks * engine.config.block_size,
+        "kv_gb": round(layout.kv_bytes / 1e9, 4),
+    }
+    raw = {"prefill_s": prefill, "decode_step_s": steps}
+    return entry, raw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    models, measurements = {}, {}
+    for variant in args.variants:
+        name = f"{DEFAULT_MODEL}-{variant}"
+        models[name], measurements[name] = profile(variant)
+        print(name, json.dumps(models[name]), flush=True)
+    doc = {
+        "device": f"one core of {machine()}",
+        "source": "measured by bench/fleet_profile.py with edgeinfer's engine, process CPU time "
+        f"(1-min load average {os.getloadavg()[0]:.1f} at the end)",
+        "models": models,
+        "measurements": measurements,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
