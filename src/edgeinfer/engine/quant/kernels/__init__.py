@@ -81,7 +81,8 @@ def load() -> None:
     log.info("CPU GEMV kernels loaded (instruction set: %s)", torch.ops.edgeinfer_cpu.isa())
 
 
-_CFLAGS = ["-O3"]
+# -fopenmp: at::parallel_for is inline OpenMP in ATen's headers; without it every product runs on one thread
+_CFLAGS = ["-O3", "-fopenmp"]
 
 
 def _build_dir() -> Path:
