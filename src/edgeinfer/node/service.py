@@ -103,16 +103,8 @@ class NodeService:
         access["model"] = model
         if self.pool.task(model) != EMBED:
             raise wrong_task(model, self.pool.task(model))
-        admission = _admit(self.limiter, tenant)
-        try:
-            self._check_load_queue(model, job)
-            lease = await self._acquire(model)
-        except BaseException:
-            admission.cancel()
-            raise
-        run = RequestRun(
-            job, tenant, model, admission, lease, self.metrics, self.store, self.prices, access, self._live
-        )
+        run = await self._open_run(job, tenant, model, access)
+        admission = run.admission
         try:
             ids = await embedding_inputs(run, self.limits)
             try:
@@ -133,9 +125,10 @@ class NodeService:
         except UnknownModelError as exc:
             raise model_not_found(str(exc)) from None
 
-    async def _start(
-        self, job: Job, tenant: Tenant, model: str, access: dict[str, Any]
-    ) -> tuple[RequestRun, Backend]:
+    async def _open_run(
+        self, job: Job | EmbeddingJob, tenant: Tenant, model: str, access: dict[str, Any]
+    ) -> RequestRun:
+        """Admit the tenant (rate limits) and lease the model; from here on `run.finish` releases both."""
         admission = _admit(self.limiter, tenant)
         try:
             self._check_load_queue(model, job)
@@ -143,11 +136,16 @@ class NodeService:
         except BaseException:
             admission.cancel()
             raise
-        run = RequestRun(
+        return RequestRun(
             job, tenant, model, admission, lease, self.metrics, self.store, self.prices, access, self._live
         )
+
+    async def _start(
+        self, job: Job, tenant: Tenant, model: str, access: dict[str, Any]
+    ) -> tuple[RequestRun, Backend]:
+        run = await self._open_run(job, tenant, model, access)
         try:
-            backend = self._backend(lease, tenant)
+            backend = self._backend(run.lease, tenant)
             seats, waiting = backend.capacity()
             # no await between the check and the reservation: a burst cannot overshoot the queue
             run.reservation = self.capacity.reserve(
@@ -155,7 +153,7 @@ class NodeService:
             )
             tokens = backend.prepare(job)
             try:
-                admission.reserve_tokens(tokens)
+                run.admission.reserve_tokens(tokens)
             except RateLimitExceeded as exc:
                 raise _limit_error(exc) from None
         except ApiError as exc:
