@@ -28,7 +28,8 @@ def test_kill_9_bills_the_streams_in_flight(tmp_path, tiny_llama_dir) -> None:
     )
     proc = procs.procs[0]
     try:
-        done = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 60})
+        first = {"model": "tiny", "prompt": "Hi", "max_tokens": 60, "ignore_eos": True}  # exactly 60 tokens
+        done = httpx.post(url + "/v1/completions", json=first)
         assert done.status_code == 200
         # 8 choices one after the other (one seat): seconds of work, killed early on
         body = {
