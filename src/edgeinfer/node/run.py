@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from edgeinfer.node.capacity import Reservation
 from edgeinfer.node.embeddings import EmbeddingJob
+from edgeinfer.node.errors import ApiError
 from edgeinfer.node.jobs import Job, Outcome
 from edgeinfer.node.metering import STATUS_INTERRUPTED, UsageRecord, UsageStore
 from edgeinfer.node.prices import PriceTable
@@ -58,6 +61,18 @@ class RequestRun:
         if not self._done and usage != self._checkpointed:
             self._checkpointed = usage
             self.store.checkpoint(self._record(STATUS_INTERRUPTED))
+
+    @contextmanager
+    def finish_on_error(self) -> Iterator[None]:
+        """Finish the run with the error's status (500 for anything not an API error) and re-raise."""
+        try:
+            yield
+        except ApiError as exc:
+            self.finish(exc.status)
+            raise
+        except BaseException:
+            self.finish(500)
+            raise
 
     def finish(self, status: int) -> None:
         if self._done:

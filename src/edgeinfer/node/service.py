@@ -104,19 +104,9 @@ class NodeService:
         if self.pool.task(model) != EMBED:
             raise wrong_task(model, self.pool.task(model))
         run = await self._open_run(job, tenant, model, access)
-        admission = run.admission
-        try:
+        with run.finish_on_error():
             ids = await embedding_inputs(run, self.limits)
-            try:
-                admission.reserve_tokens(sum(len(seq) for seq in ids))
-            except RateLimitExceeded as exc:
-                raise _limit_error(exc) from None
-        except ApiError as exc:
-            run.finish(exc.status)
-            raise
-        except BaseException:
-            run.finish(500)
-            raise
+            _reserve_tokens(run, sum(len(seq) for seq in ids))
         return await run_embeddings(request, run, ids)
 
     def _resolve(self, name: str) -> str:
@@ -144,24 +134,14 @@ class NodeService:
         self, job: Job, tenant: Tenant, model: str, access: dict[str, Any]
     ) -> tuple[RequestRun, Backend]:
         run = await self._open_run(job, tenant, model, access)
-        try:
+        with run.finish_on_error():
             backend = self._backend(run.lease, tenant)
             seats, waiting = backend.capacity()
             # no await between the check and the reservation: a burst cannot overshoot the queue
             run.reservation = self.capacity.reserve(
                 model, job.num_choices, seats, waiting, job.reject_if_busy
             )
-            tokens = backend.prepare(job)
-            try:
-                run.admission.reserve_tokens(tokens)
-            except RateLimitExceeded as exc:
-                raise _limit_error(exc) from None
-        except ApiError as exc:
-            run.finish(exc.status)
-            raise
-        except BaseException:
-            run.finish(500)
-            raise
+            _reserve_tokens(run, backend.prepare(job))
         return run, backend
 
     def _check_load_queue(self, model: str, job: Job | EmbeddingJob) -> None:
@@ -307,3 +287,11 @@ async def _events(
             await deltas.aclose()
         finally:
             run.finish(status)
+
+
+def _reserve_tokens(run: RequestRun, tokens: int) -> None:
+    """Charge the request's tokens to the tenant's per-minute budget (429 beyond it)."""
+    try:
+        run.admission.reserve_tokens(tokens)
+    except RateLimitExceeded as exc:
+        raise _limit_error(exc) from None
