@@ -7,6 +7,8 @@ import math
 import torch
 
 from edgeinfer.engine.engine import LLMEngine
+from edgeinfer.engine.kv_cache import NULL_BLOCK
+from edgeinfer.engine.runner.inputs import build_inputs
 from edgeinfer.types import EngineRequest, FinishReason, SamplingParams
 
 GOOD = {
@@ -84,3 +86,49 @@ def test_poisoned_requests_fail_alone(tiny_llama, engine_factory) -> None:
     assert "NaN" in mixed["nan"][3]
     # the engine goes on serving, every block is back (engine_factory checks integrity after the test)
     assert _run(eng) == reference
+
+
+def _step_logits(eng: LLMEngine, sched) -> dict[str, torch.Tensor]:
+    """Each sampling request's logits for `sched`, through the engine's model and backend (cache written)."""
+    inp = build_inputs(sched.chunks, eng.config.block_size, eng.device)
+    with torch.inference_mode():
+        eng.runner.backend.begin(inp.attn)
+        hidden = eng.model(inp.input_ids, inp.positions, eng.runner.backend)
+        logits = eng.model.compute_logits(hidden[inp.sample_rows])
+    return {c.request_id: logits[i].clone() for i, c in enumerate(inp.sample_chunks)}
+
+
+def test_nan_in_one_sequences_kv_never_reaches_another(tiny_llama, engine_factory) -> None:
+    """A long sequence's KV blocks (and every free block) are filled with NaN; a shorter decode in the same
+    batch, whose block table is padded to the long one's width, and a prefill in the same step get exactly
+    the logits of the unpoisoned step. The padding points at the null block, which no sequence owns."""
+    eng = engine_factory(tiny_llama)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eng.add_request(EngineRequest("long", list(range(10, 40)), greedy))
+    eng.add_request(EngineRequest("short", [5, 6, 7], greedy))
+    running = eng.scheduler.running
+    while len(running) < 2 or any(r.num_computed_tokens < r.num_tokens - 1 for r in running):
+        eng.step()
+    eng.add_request(EngineRequest("fresh", [50, 51, 52, 53, 54], greedy))
+    sched = eng.scheduler.schedule()
+    prefills = {c.request_id: c.num_tokens > 1 for c in sched.chunks}
+    assert prefills == {"long": False, "short": False, "fresh": True}
+    clean = _step_logits(eng, sched)
+
+    tables = eng.scheduler.kv.tables
+    assert NULL_BLOCK not in {b for t in tables.values() for b in t}
+    assert len(tables["short"]) < len(tables["long"])  # the short decode's table row is padded
+    keep = set(tables["short"]) | set(tables["fresh"])
+    poison = [b for b in range(1, eng.scheduler.kv.pool.num_blocks + 1) if b not in keep]
+    storage = eng.runner.storage
+    idx = torch.tensor(poison)
+    for pool in (*storage.k, *storage.v):
+        pool.data.index_fill_(0, idx, math.nan)
+    poisoned = _step_logits(eng, sched)
+
+    assert poisoned["long"].isnan().all()  # the poison is where the long sequence reads
+    for rid in ("short", "fresh"):
+        assert torch.equal(poisoned[rid], clean[rid]), rid
+    for rid in ("long", "short", "fresh"):
+        eng.abort(rid)
+    storage.zero_blocks(poison)

@@ -55,7 +55,7 @@ def test_paged_logits_match_transformers_within_1e3(family, tiny_models, hf_mode
         ref = hf_models[family](ids[None]).logits[0]
     storage = KVCacheStorage(model.kv_spec, 16, 4, torch.float32, torch.device("cpu"))
     backend = get_attention_backend("torch", storage)
-    blocks = [9, 2, 14, 0, 5, 11]
+    blocks = [9, 2, 14, 16, 5, 11]
 
     def meta(start: int, n: int) -> AttentionMetadata:
         slots = [blocks[p // 4] * 4 + p % 4 for p in range(start, start + n)]

@@ -69,7 +69,7 @@ def paged_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     per token, the sequence's cache scattered over out-of-order blocks."""
     storage = KVCacheStorage(model.kv_spec, 16, 4, torch.float32, torch.device("cpu"))
     backend = get_attention_backend("torch", storage)
-    blocks = [9, 2, 14, 0, 5, 11, 3, 7]
+    blocks = [9, 2, 14, 16, 5, 11, 3, 7]
 
     def meta(start: int, n: int) -> AttentionMetadata:
         slots = [blocks[p // 4] * 4 + p % 4 for p in range(start, start + n)]

@@ -58,6 +58,9 @@ class EngineConfig:
     # so it is off by default.
     compile: bool = False
     kv_cache_dtype: str = "auto"
+    # The paged-attention backend by its registered name (engine/attention/backend.py); every backend
+    # passes tests/engine/test_attention_conformance.py. `torch`: SDPA and batched matmuls, CPU and CUDA.
+    attention_backend: str = "torch"
     # Keep the loaded model's runtime tensors (dequantized, quantized, re-laid for our kernels) on disk and
     # memory-map them on the next load with the same source and settings (engine/prepared): Gemma 3 270M
     # from its GGUF then loads without dequantizing or quantizing. Off: every load starts from the source.

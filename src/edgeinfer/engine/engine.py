@@ -96,6 +96,7 @@ class LLMEngine:
             self.model,
             storage,
             self.device,
+            backend=config.attention_backend,
             vocab_limit=self.tokenizer.vocab_size,
             compile=config.compile,
             guidance_tokenizer=guidance,

@@ -19,7 +19,7 @@ class AttentionMetadata:
     query_starts: list[int]  # per sequence: first row in the flat batch
     query_lens: list[int]
     context_lens: list[int]  # per sequence: tokens in cache after this step (prior + new)
-    block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with 0
+    block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with the null block (0)
     num_decodes: int
     block_size: int
     # Scratch for backends: masks and gather indices are the same for every layer of a step.

@@ -31,13 +31,13 @@ def prefill_hidden(
     num_blocks = -(-n // BLOCK_SIZE)
     storage = KVCacheStorage(model.kv_spec, num_blocks, BLOCK_SIZE, dtype, device, kv_cache_dtype)
     backend = get_attention_backend("torch", storage)
-    # Blocks 0..num_blocks-1 in order, so a token's flat slot equals its position.
+    # Blocks 1..num_blocks in order (0 is the null block), so a token's flat slot is its position + one block.
     meta = AttentionMetadata(
-        torch.arange(n, device=device),
+        torch.arange(n, device=device) + BLOCK_SIZE,
         [0],
         [n],
         [n],
-        torch.arange(num_blocks, device=device)[None],
+        torch.arange(1, num_blocks + 1, device=device)[None],
         0,
         BLOCK_SIZE,
     )

@@ -54,13 +54,17 @@ class _Pool:
             self.q.write(self.data, self.scales, slots, x)
 
     def gather(self, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.plain:
-            return take_blocks(self.data, block_ids).flatten(-4, -3)
+        if self.plain:  # `to` is free when the stored dtype is the compute dtype (the default, `auto`)
+            return take_blocks(self.data, block_ids).flatten(-4, -3).to(dtype)
         return self.q.gather_blocks(self.data, self.scales, block_ids, dtype)
 
 
 class KVCacheStorage:
-    """Holds the paged K/V pools `[num_blocks, block_size, heads, dim]` of every layer."""
+    """Holds the paged K/V pools `[num_blocks + 1, block_size, heads, dim]` of every layer.
+
+    Blocks 1..num_blocks hold sequences (the block pool's ids); block 0 is the null block that block-table
+    padding points at. It is zeroed at allocation and never written, so a padded gather reads finite zeros.
+    """
 
     def __init__(
         self,
@@ -77,11 +81,12 @@ class KVCacheStorage:
         self.dtype = dtype  # the compute dtype attention sees
         self.quantizer = get_kv_quantizer(kv_cache_dtype, dtype)
         q = self.quantizer
+        physical = num_blocks + 1  # with the null block
         self.k = [
-            _Pool(q, num_blocks, block_size, spec.k_heads, spec.k_dim, device) for _ in range(spec.num_layers)
+            _Pool(q, physical, block_size, spec.k_heads, spec.k_dim, device) for _ in range(spec.num_layers)
         ]
         self.v = [
-            _Pool(q, num_blocks, block_size, spec.v_heads, spec.v_dim, device) if spec.v_dim else None
+            _Pool(q, physical, block_size, spec.v_heads, spec.v_dim, device) if spec.v_dim else None
             for _ in range(spec.num_layers)
         ]
 

@@ -3,21 +3,27 @@
 A block with ref count 0 sits in the free queue. If it still carries a hash it is also in the prefix
 index and can be revived by a later request with the same prefix until `allocate` reuses (evicts) it.
 The free queue is ordered least-recently-freed first, so eviction is LRU over unreferenced blocks.
+
+Block ids run 1..num_blocks: id 0 is the null block (`NULL_BLOCK`), never allocated, so nothing a request
+computes is ever written there. Block tables are padded with it; a backend that reads past a sequence's
+blocks (a batch's padded gather) sees only the null block's zeros, never another sequence's K/V.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+NULL_BLOCK = 0
+
 
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
-        self.num_blocks = num_blocks
-        self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_blocks = num_blocks  # usable blocks, the null block not counted
+        self.ref_cnt = [0] * (num_blocks + 1)
+        self.block_hash: list[bytes | None] = [None] * (num_blocks + 1)
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks + 1))
         self.cached: dict[bytes, int] = {}
         self.num_evictions = 0
 
@@ -86,7 +92,9 @@ class BlockPool:
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
         """Invariants: free + in use == total; the free queue holds exactly the ref-0 blocks; the hash
         index and per-block hashes agree; with `expected_refs`, ref counts equal the owners' count."""
-        in_use = [b for b in range(self.num_blocks) if self.ref_cnt[b] > 0]
+        if self.ref_cnt[NULL_BLOCK] or NULL_BLOCK in self.free_queue or self.block_hash[NULL_BLOCK]:
+            raise AssertionError("the null block was allocated, referenced or indexed")
+        in_use = [b for b in range(1, self.num_blocks + 1) if self.ref_cnt[b] > 0]
         free = set(self.free_queue)
         if len(free) + len(in_use) != self.num_blocks or free & set(in_use):
             raise AssertionError(

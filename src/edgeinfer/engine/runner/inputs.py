@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.engine.attention import AttentionMetadata
+from edgeinfer.engine.kv_cache import NULL_BLOCK
 from edgeinfer.engine.scheduler import ScheduledChunk
 
 
@@ -45,7 +46,8 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.de
             last = min(c.start + c.num_tokens, c.num_prompt_tokens - 1)  # row p scores prompt token p + 1
             plp_rows[c.request_id] = list(range(row0, row0 + max(0, last - c.start)))
     width = max(len(c.block_ids) for c in ordered)
-    tables = torch.zeros(len(ordered), width, dtype=torch.long)
+    # Padding points at the null block, which no sequence writes: a padded read never sees another's K/V.
+    tables = torch.full((len(ordered), width), NULL_BLOCK, dtype=torch.long)
     for i, c in enumerate(ordered):
         tables[i, : len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.long)
     attn = AttentionMetadata(
