@@ -104,6 +104,7 @@ class NodeFactory:
         models: dict[str, str],
         *,
         upstreams: dict[str, str] | None = None,
+        upstream_tokenizers: dict[str, str] | None = None,
         aliases: dict[str, tuple[str, ...]] | None = None,
         tenants: list[dict[str, Any]] | None = None,
         budget: int | None = None,
@@ -115,7 +116,10 @@ class NodeFactory:
         **limits: int,
     ) -> LiveServer:
         specs = [MemberSpec(n, LOCAL, p, (aliases or {}).get(n, ())) for n, p in models.items()]
-        specs += [MemberSpec(n, UPSTREAM, u) for n, u in (upstreams or {}).items()]
+        tokenizers = upstream_tokenizers or {}
+        specs += [
+            MemberSpec(n, UPSTREAM, u, tokenizer=tokenizers.get(n)) for n, u in (upstreams or {}).items()
+        ]
         tenants_file = None
         if tenants is not None:
             tenants_file = self.tmp_path / f"tenants-{len(self.servers)}.json"

@@ -88,6 +88,10 @@ class AsyncLLMEngine:
         with self._lock:
             self.engine.check_integrity()
 
+    def health(self) -> str | None:
+        """None while the engine thread runs, else why requests would wait forever."""
+        return None if self._thread.is_alive() else "the engine loop has stopped"
+
     async def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()

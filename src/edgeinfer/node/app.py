@@ -23,7 +23,6 @@ from edgeinfer.node.service import NodeService
 from edgeinfer.node.tenants import TenantRegistry
 from edgeinfer.obs.metrics import EngineGauges, NodeMetrics
 from edgeinfer.pool.manager import ModelPool
-from edgeinfer.pool.member import EmbeddingMember, LocalMember
 
 logger = logging.getLogger("edgeinfer.node")
 
@@ -42,24 +41,18 @@ class _PoolMetrics:
 
 
 def engine_gauges(pool: ModelPool) -> dict[str, EngineGauges]:
-    """Scrape-time state of every resident member (upstreams: what the node has in flight)."""
+    """Scrape-time state of every resident member (upstreams: read from their own metrics)."""
     gauges = {}
     for name, member in pool.residents().items():
-        if isinstance(member, LocalMember):
-            s = member.engine.stats()
-            gauges[name] = EngineGauges(
-                s.num_running,
-                s.num_waiting,
-                s.kv_usage,
-                s.prefix_cache_queries,
-                s.prefix_cache_hits,
-                s.num_preemptions,
-            )
-        elif isinstance(member, EmbeddingMember):
-            e = member.engine.stats()
-            gauges[name] = EngineGauges(e.num_running, e.num_waiting)
-        else:
-            gauges[name] = EngineGauges(num_running=pool.in_flight(name), num_waiting=0)
+        s = member.stats()
+        gauges[name] = EngineGauges(
+            s.num_running,
+            s.num_waiting,
+            s.kv_usage,
+            s.prefix_cache_queries,
+            s.prefix_cache_hits,
+            s.num_preemptions,
+        )
     return gauges
 
 

@@ -39,14 +39,15 @@ class Capacity:
         self, model: str, choices: int, seats: int | None, engine_waiting: int, reject_if_busy: bool
     ) -> Reservation:
         """Admit `choices` engine requests or raise 429 (code 3040). `seats`: how many the model runs at
-        once (None: unknown, an upstream that queues on its own). `engine_waiting`: requests the engine
-        itself holds back (e.g. short of KV blocks) — the queue is the longer of the two views."""
+        once (None: unknown, an upstream that queues on its own: then its own queue is the only view).
+        `engine_waiting`: requests the engine itself holds back (short of KV blocks, or an upstream's
+        queue as its metrics show it) — the queue is the longer of the two views."""
         admitted = self.admitted(model)
-        if seats is not None:
-            waiting = max(admitted - seats, engine_waiting)
-            if reject_if_busy and (admitted + choices > seats or engine_waiting > 0):
-                raise busy(f"model {model} is busy and the request asked not to wait (rejectIfBusy)")
-            if waiting >= self.max_queue_depth:
-                raise busy(f"model {model} queue is full ({self.max_queue_depth} requests waiting)")
+        waiting = engine_waiting if seats is None else max(admitted - seats, engine_waiting)
+        full_now = engine_waiting > 0 or (seats is not None and admitted + choices > seats)
+        if reject_if_busy and full_now:
+            raise busy(f"model {model} is busy and the request asked not to wait (rejectIfBusy)")
+        if waiting >= self.max_queue_depth:
+            raise busy(f"model {model} queue is full ({self.max_queue_depth} requests waiting)")
         self._counts[model] = admitted + choices
         return Reservation(self._counts, model, choices)

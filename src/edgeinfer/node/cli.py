@@ -12,11 +12,13 @@ from edgeinfer.node.config import ConnectionLimits, NodeConfig, NodeLimits, defa
 from edgeinfer.obs.access_log import ACCESS_LOGGER
 from edgeinfer.pool.spec import (
     LOCAL,
+    UPSTREAM,
     MemberSpec,
     parse_alias_arg,
     parse_bytes,
     parse_model_arg,
     parse_upstream_arg,
+    parse_upstream_tokenizer_arg,
 )
 from edgeinfer.types.router_trust import load_secret
 
@@ -42,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=URL",
         help="register an external OpenAI-compatible server (SGLang, vLLM, llama.cpp, edgeinfer)",
+    )
+    models.add_argument(
+        "--upstream-tokenizer",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="count an upstream's prompt tokens (for rate limits) with this checkpoint's tokenizer",
     )
     models.add_argument(
         "--alias", action="append", default=[], metavar="ALIAS=NAME", help="another name for a model"
@@ -246,10 +255,13 @@ def build_specs(args: argparse.Namespace) -> list[MemberSpec]:
     defaults = {DEFAULT_MODEL: DEFAULT_ALIASES, DEFAULT_EMBEDDING_MODEL: DEFAULT_EMBEDDING_ALIASES}
     for name, default_aliases in defaults.items():
         aliases.setdefault(name, []).extend(default_aliases)
+    tokenizers = dict(parse_upstream_tokenizer_arg(v) for v in args.upstream_tokenizer)
     names = {s.name for s in specs}
     unknown = (set(args.pin) | {n for n in aliases if n not in defaults}) - names
     if unknown:
         raise ValueError(f"--pin/--alias name unknown model(s): {', '.join(sorted(unknown))}")
+    if bad := set(tokenizers) - {s.name for s in specs if s.kind == UPSTREAM}:
+        raise ValueError(f"--upstream-tokenizer names no upstream: {', '.join(sorted(bad))}")
     return [
         MemberSpec(
             s.name,
@@ -257,6 +269,7 @@ def build_specs(args: argparse.Namespace) -> list[MemberSpec]:
             s.target,
             tuple(a for a in aliases.get(s.name, ()) if a != s.name),
             s.name in args.pin,
+            tokenizers.get(s.name),
         )
         for s in specs
     ]

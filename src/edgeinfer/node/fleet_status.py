@@ -14,7 +14,6 @@ import time
 
 from edgeinfer.node.config import NodeConfig
 from edgeinfer.pool.manager import ModelPool
-from edgeinfer.pool.member import LocalMember
 from edgeinfer.types.status import STATUS_SUBJECT_PREFIX, NodeStatus
 
 logger = logging.getLogger("edgeinfer.node")
@@ -36,15 +35,12 @@ def node_status(config: NodeConfig, pool: ModelPool) -> NodeStatus:
     waiting = sum(pool.waiting_for_load(state.name) for state in pool.states())
     running = capacity = 0
     kv_usage = 0.0
-    for name, member in pool.residents().items():
-        if isinstance(member, LocalMember):
-            stats = member.engine.stats()
-            running += stats.num_running
-            waiting += stats.num_waiting
-            capacity += member.max_num_seqs
-            kv_usage = max(kv_usage, stats.kv_usage)
-        else:  # an upstream: what this node has in flight there; its slots are its own business
-            running += pool.in_flight(name)
+    for member in pool.residents().values():
+        stats = member.stats()  # upstreams: their own gauges, as their metrics show them
+        running += stats.num_running
+        waiting += stats.num_waiting
+        capacity += stats.seats or 0
+        kv_usage = max(kv_usage, stats.kv_usage or 0.0)
     return NodeStatus(
         node_id=config.node_id,
         location=config.location,

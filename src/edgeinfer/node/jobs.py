@@ -102,8 +102,3 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def run(self, job: Job, outcome: Outcome) -> AsyncGenerator[ChoiceDelta, None]:
         """Stream the job's deltas; closing the iterator early aborts the generation."""
-
-    @abc.abstractmethod
-    def capacity(self) -> tuple[int | None, int]:
-        """(how many requests the member runs at once — None when it queues on its own, as upstreams
-        do —, how many it holds waiting right now). Never blocks."""

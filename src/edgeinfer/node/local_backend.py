@@ -12,6 +12,7 @@ from typing import Any
 from edgeinfer.node.config import NodeLimits
 from edgeinfer.node.errors import ApiError, bad_request, internal
 from edgeinfer.node.jobs import CHAT, Backend, ChoiceDelta, Job, LogprobEntry, Outcome
+from edgeinfer.node.tenants import Tenant
 from edgeinfer.obs.canary import DEGENERATE_REPETITION, NONFINITE_LOGITS, is_degenerate_repetition
 from edgeinfer.obs.timing import LatencyBreakdown
 from edgeinfer.pool.member import LocalMember
@@ -42,19 +43,16 @@ class _Choice:
 
 
 class LocalBackend(Backend):
-    def __init__(self, member: LocalMember, limits: NodeLimits, tenant: str, cache_namespace: str) -> None:
+    def __init__(self, member: LocalMember, limits: NodeLimits, tenant: Tenant) -> None:
         self._member = member
         self._engine = member.engine
         self._tokenizer = member.tokenizer
         self._limits = limits
-        self._tenant = tenant
-        self._namespace = cache_namespace
+        self._tenant = tenant.name
+        self._namespace = tenant.cache_namespace
         self._choices: list[_Choice] = []
         self._pieces: dict[int, str] = {}
         self.version = member.version
-
-    def capacity(self) -> tuple[int | None, int]:
-        return self._member.max_num_seqs, self._engine.stats().num_waiting  # stats() takes no lock
 
     def prepare(self, job: Job) -> int:
         prompts = self._tokenize(job)

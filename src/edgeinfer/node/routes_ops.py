@@ -25,11 +25,14 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready", tags=["ops"])
 async def ready(request: Request) -> JSONResponse:
-    """503 until start-up (including --preload) finished, and again while shutting down."""
+    """503 until start-up (including --preload) finished, and again while shutting down. `unhealthy`:
+    resident members that cannot serve now (an engine loop that stopped, an upstream whose stats fail)."""
     is_ready = bool(getattr(request.app.state, "ready", False))
     pool = request.app.state.service.pool
     resident = sorted(state.name for state in pool.states() if state.state == "resident")
-    body = {"status": "ready" if is_ready else "starting", "resident_models": resident}
+    unhealthy = {name: why for name, m in pool.residents().items() if (why := m.health()) is not None}
+    status = "ready" if is_ready else "starting"
+    body = {"status": status, "resident_models": resident, "unhealthy": unhealthy}
     return JSONResponse(body, status_code=200 if is_ready else 503)
 
 

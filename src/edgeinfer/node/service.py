@@ -13,6 +13,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
+from edgeinfer.node.backends import open_backend
 from edgeinfer.node.capacity import Capacity
 from edgeinfer.node.config import NodeLimits
 from edgeinfer.node.disconnect import ClientDisconnected, until_disconnect
@@ -30,7 +31,6 @@ from edgeinfer.node.errors import (
     upstream_failed,
 )
 from edgeinfer.node.jobs import Backend, ChoiceDelta, Job
-from edgeinfer.node.local_backend import LocalBackend
 from edgeinfer.node.metering import UsageStore
 from edgeinfer.node.prices import PriceTable
 from edgeinfer.node.ratelimit import Admission, RateLimiter, RateLimitExceeded
@@ -38,11 +38,10 @@ from edgeinfer.node.render import DONE, Collected, Renderer, sse
 from edgeinfer.node.run import STATUS_CLIENT_CLOSED, RequestRun
 from edgeinfer.node.sse_response import SSEResponse
 from edgeinfer.node.tenants import Tenant, TenantRegistry
-from edgeinfer.node.upstream_backend import UpstreamBackend
 from edgeinfer.obs.metrics import NodeMetrics
 from edgeinfer.pool.manager import Lease, ModelPool, PoolCapacityError, UnknownModelError
-from edgeinfer.pool.member import EMBED, LocalMember, PoolMember
-from edgeinfer.pool.upstream import UpstreamError, UpstreamMember
+from edgeinfer.pool.member import EMBED, PoolMember
+from edgeinfer.pool.upstream import UpstreamError
 
 logger = logging.getLogger("edgeinfer.node")
 
@@ -135,11 +134,12 @@ class NodeService:
     ) -> tuple[RequestRun, Backend]:
         run = await self._open_run(job, tenant, model, access)
         with run.finish_on_error():
-            backend = self._backend(run.lease, tenant)
-            seats, waiting = backend.capacity()
+            member: PoolMember = run.lease.member
+            backend = open_backend(member, self.limits, tenant)
+            load = member.stats()
             # no await between the check and the reservation: a burst cannot overshoot the queue
             run.reservation = self.capacity.reserve(
-                model, job.num_choices, seats, waiting, job.reject_if_busy
+                model, job.num_choices, load.seats, load.num_waiting, job.reject_if_busy
             )
             _reserve_tokens(run, backend.prepare(job))
         return run, backend
@@ -161,14 +161,6 @@ class NodeService:
         except (ValueError, OSError):  # a checkpoint that cannot be read or built
             logger.exception("loading model %s failed", model)
             raise internal(f"model {model} failed to load; the server log has the details") from None
-
-    def _backend(self, lease: Lease, tenant: Tenant) -> Backend:
-        member: PoolMember = lease.member
-        if isinstance(member, LocalMember):
-            return LocalBackend(member, self.limits, tenant.name, tenant.cache_namespace)
-        if isinstance(member, UpstreamMember):
-            return UpstreamBackend(member, self.limits)
-        raise internal(f"no backend for pool member kind {member.kind!r}")
 
     async def _respond(
         self, request: Request, run: RequestRun, backend: Backend, renderer: Renderer, headers: dict[str, str]

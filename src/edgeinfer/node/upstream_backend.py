@@ -10,34 +10,27 @@ from typing import Any
 from edgeinfer.node.config import NodeLimits
 from edgeinfer.node.errors import upstream_failed
 from edgeinfer.node.jobs import CHAT, Backend, ChoiceDelta, Job, LogprobEntry, Outcome
+from edgeinfer.node.tenants import Tenant
 from edgeinfer.obs.timing import LatencyBreakdown
 from edgeinfer.pool.upstream import UpstreamError, UpstreamMember
 from edgeinfer.types import Usage
 
-# Without the upstream's tokenizer, the tokens/min reservation estimates ~4 characters per token;
-# the reservation is settled to the upstream's real usage when the request ends.
+# Without the served model's tokenizer (`--upstream-tokenizer`), the tokens/min reservation estimates
+# ~4 characters per token; either way it is settled to the upstream's real usage when the request ends.
 CHARS_PER_TOKEN = 4
 _OUR_FIELDS = ("options",)
 
 
 class UpstreamBackend(Backend):
-    def __init__(self, member: UpstreamMember, limits: NodeLimits) -> None:
+    def __init__(self, member: UpstreamMember, limits: NodeLimits, tenant: Tenant) -> None:
         self._member = member
         self._limits = limits
         self._prompt_estimate = 0
         self.version = member.version
 
-    def capacity(self) -> tuple[int | None, int]:
-        return None, 0  # the upstream queues on its own; the node cannot see its queue
-
     def prepare(self, job: Job) -> int:
-        if job.kind == CHAT:
-            chars = sum(len(m.get("content") or "") for m in job.messages)
-            self._prompt_estimate = chars // CHARS_PER_TOKEN + 4 * len(job.messages)
-        else:
-            self._prompt_estimate = sum(
-                len(p) // CHARS_PER_TOKEN + 1 if isinstance(p, str) else len(p) for p in job.prompts
-            )
+        tok = self._member.tokenizer
+        self._prompt_estimate = _estimate(job) if tok is None else _count(tok, job)
         return self._prompt_estimate + job.num_choices * (job.max_tokens or self._limits.max_tokens)
 
     async def run(self, job: Job, outcome: Outcome) -> AsyncGenerator[ChoiceDelta, None]:
@@ -109,6 +102,25 @@ class UpstreamBackend(Backend):
             if outcome.usage.total_tokens == 0 and chunks:
                 # Cut short before the upstream's usage event: bill our estimate of what it did.
                 outcome.usage = Usage(prompt_tokens=self._prompt_estimate, completion_tokens=chunks)
+
+
+def _count(tok: Any, job: Job) -> int:
+    """Prompt tokens by the served model's tokenizer (a template the tokenizer refuses: the estimate; the
+    upstream judges the messages itself)."""
+    if job.kind == CHAT:
+        try:
+            text = tok.apply_chat_template(job.messages, True, tools=job.tools or None)
+        except ValueError:
+            return _estimate(job)
+        return len(tok.encode(text, add_special_tokens=False))
+    return sum(len(tok.encode(p)) if isinstance(p, str) else len(p) for p in job.prompts)
+
+
+def _estimate(job: Job) -> int:
+    if job.kind == CHAT:
+        chars = sum(len(m.get("content") or "") for m in job.messages)
+        return chars // CHARS_PER_TOKEN + 4 * len(job.messages)
+    return sum(len(p) // CHARS_PER_TOKEN + 1 if isinstance(p, str) else len(p) for p in job.prompts)
 
 
 def _stream_delta(choice: dict[str, Any], kind: str) -> ChoiceDelta | None:

@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from edgeinfer.pool.member import EMBED, GENERATE, EmbeddingMember, LocalMember, PoolMember
 from edgeinfer.pool.spec import LOCAL, MemberSpec
@@ -57,7 +57,8 @@ class EngineLoader(MemberLoader):
 
     async def load(self, spec: MemberSpec) -> PoolMember:
         if spec.kind != LOCAL:
-            return await UpstreamMember.connect(spec.name, spec.target, self._upstream_timeout_s)
+            tokenizer = await asyncio.to_thread(_load_tokenizer, spec.tokenizer) if spec.tokenizer else None
+            return await UpstreamMember.connect(spec.name, spec.target, self._upstream_timeout_s, tokenizer)
         if self.task(spec) == EMBED:
             return await self._load_embedding(spec)
         from edgeinfer.engine.async_engine import AsyncLLMEngine
@@ -79,6 +80,13 @@ class EngineLoader(MemberLoader):
 
     def _kv_bytes(self) -> int:
         return int(self._engine_config.kv_cache_memory_bytes)
+
+
+def _load_tokenizer(target: str) -> Any:
+    from edgeinfer.engine.model.loader import open_checkpoint
+    from edgeinfer.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_checkpoint(open_checkpoint(target))
 
 
 def resolve_checkpoint_path(target: str) -> Path | None:

@@ -1,8 +1,14 @@
-"""Pool members: a resident local engine or a connection to an external OpenAI-compatible engine."""
+"""Pool members: a resident local engine or a connection to an external OpenAI-compatible engine.
+
+Every member answers the same small protocol: `stats()` (its load, for admission, `/metrics` and the
+fleet status) and `health()`; the node generates through the backend registered for the member's `kind`
+(node/backends.py), and a generation is aborted by closing its stream.
+"""
 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -13,12 +19,34 @@ GENERATE = "generate"
 EMBED = "embed"
 
 
+@dataclass(frozen=True)
+class MemberStats:
+    """A member's load at one moment. `seats`: requests it runs at once (None: unknown, an upstream that
+    queues on its own); None elsewhere: not known for this member (left out of `/metrics`)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float | None = None
+    seats: int | None = None
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+    num_preemptions: int | None = None
+
+
 class PoolMember(abc.ABC):
     """A loaded member. `version` identifies the weights served (for canaries and model listings)."""
 
     name: str
     kind: str
     version: str
+
+    @abc.abstractmethod
+    def stats(self) -> MemberStats:
+        """Current load; never blocks (read on every request and every scrape)."""
+
+    @abc.abstractmethod
+    def health(self) -> str | None:
+        """None while the member can serve, else why it cannot."""
 
     @abc.abstractmethod
     def memory_bytes(self) -> int:
@@ -51,6 +79,21 @@ class LocalMember(PoolMember):
     def memory_bytes(self) -> int:
         return int(self.engine.memory_bytes())
 
+    def stats(self) -> MemberStats:
+        s = self.engine.stats()  # takes no lock
+        return MemberStats(
+            s.num_running,
+            s.num_waiting,
+            s.kv_usage,
+            self.max_num_seqs,
+            s.prefix_cache_queries,
+            s.prefix_cache_hits,
+            s.num_preemptions,
+        )
+
+    def health(self) -> str | None:
+        return self.engine.health()
+
     async def close(self) -> None:
         await self.engine.shutdown()
 
@@ -58,7 +101,7 @@ class LocalMember(PoolMember):
 class EmbeddingMember(PoolMember):
     """An `AsyncEmbeddingEngine` (an encoder model) resident in this process."""
 
-    kind = "local"
+    kind = "embedding"
 
     def __init__(self, name: str, engine: AsyncEmbeddingEngine, version: str) -> None:
         self.name = name
@@ -67,6 +110,13 @@ class EmbeddingMember(PoolMember):
 
     def memory_bytes(self) -> int:
         return int(self.engine.memory_bytes())
+
+    def stats(self) -> MemberStats:
+        e = self.engine.stats()
+        return MemberStats(e.num_running, e.num_waiting)
+
+    def health(self) -> str | None:
+        return None
 
     async def close(self) -> None:
         await self.engine.shutdown()

@@ -33,6 +33,8 @@ class MemberSpec:
 
     `target` is a checkpoint path or model name for local members and a base URL for upstream ones.
     A pinned member is never evicted; upstream members hold no local memory and are never evicted.
+    `tokenizer` (upstreams): a checkpoint path or model name whose tokenizer counts the prompt tokens
+    reserved against rate limits; without it they are estimated from the prompt's length.
     """
 
     name: str
@@ -40,6 +42,7 @@ class MemberSpec:
     target: str
     aliases: tuple[str, ...] = field(default_factory=tuple)
     pinned: bool = False
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip():
@@ -48,6 +51,8 @@ class MemberSpec:
             raise ValueError(f"unknown pool member kind {self.kind!r} (local, upstream)")
         if self.kind == UPSTREAM and not self.target.startswith(("http://", "https://")):
             raise ValueError(f"upstream {self.name!r} needs an http(s) URL, got {self.target!r}")
+        if self.tokenizer is not None and self.kind != UPSTREAM:
+            raise ValueError(f"a tokenizer is given for upstream members only, not {self.name!r}")
 
 
 def parse_model_arg(value: str) -> MemberSpec:
@@ -66,6 +71,14 @@ def parse_upstream_arg(value: str) -> MemberSpec:
     if not sep or not name or not url:
         raise ValueError(f"--upstream expects NAME=URL, got {value!r}")
     return MemberSpec(name=name, kind=UPSTREAM, target=url)
+
+
+def parse_upstream_tokenizer_arg(value: str) -> tuple[str, str]:
+    """`NAME=PATH` → (upstream name, checkpoint path or model name of its tokenizer)."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--upstream-tokenizer expects NAME=PATH, got {value!r}")
+    return name, path
 
 
 def parse_alias_arg(value: str) -> tuple[str, str]:

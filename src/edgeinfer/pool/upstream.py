@@ -8,7 +8,12 @@ from typing import Any
 
 import httpx
 
-from edgeinfer.pool.member import PoolMember
+from edgeinfer.pool.member import MemberStats, PoolMember
+from edgeinfer.pool.upstream_stats import StatsPoller
+
+# How often an upstream's own metrics are read: admission (rejectIfBusy, queue depth) sees its queue at
+# most this stale.
+STATS_INTERVAL_S = 0.25
 
 
 class UpstreamError(Exception):
@@ -21,20 +26,30 @@ class UpstreamError(Exception):
 
 
 class UpstreamMember(PoolMember):
-    """Talks to `base_url` over HTTP; requests are sent with the upstream's own model id."""
+    """Talks to `base_url` over HTTP; requests are sent with the upstream's own model id. Its stats are
+    the upstream's own gauges (pool/upstream_stats.py), or what this node has in flight there when the
+    upstream shows none."""
 
     kind = "upstream"
 
-    def __init__(self, name: str, base_url: str, served_model: str, client: httpx.AsyncClient) -> None:
+    def __init__(
+        self, name: str, base_url: str, served_model: str, client: httpx.AsyncClient, tokenizer: Any = None
+    ) -> None:
         self.name = name
+        self.tokenizer = tokenizer  # the served model's (an edgeinfer Tokenizer), to count prompt tokens
         self.base_url = base_url
         self.served_model = served_model
         self.version = f"upstream:{served_model}"
         self._client = client
+        self._in_flight = 0
+        self.poller = StatsPoller(client, served_model, STATS_INTERVAL_S)
 
     @classmethod
-    async def connect(cls, name: str, url: str, timeout_s: float = 300.0) -> UpstreamMember:
-        """Reach the upstream and learn which model id to send: `name` if it serves that, else its first."""
+    async def connect(
+        cls, name: str, url: str, timeout_s: float = 300.0, tokenizer: Any = None
+    ) -> UpstreamMember:
+        """Reach the upstream, learn which model id to send (`name` if it serves that, else its first)
+        and start reading its stats."""
         base = normalize_base_url(url)
         # Long read timeout: a streamed generation may pause between tokens on a busy upstream.
         client = httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(timeout_s, connect=5.0))
@@ -44,20 +59,33 @@ class UpstreamMember(PoolMember):
             await client.aclose()
             raise
         served = name if name in ids else ids[0]
-        return cls(name, base, served, client)
+        member = cls(name, base, served, client, tokenizer)
+        await member.poller.poll()  # the first request already sees the upstream's load
+        member.poller.start()
+        return member
 
     def memory_bytes(self) -> int:
         return 0
 
+    def stats(self) -> MemberStats:
+        return self.poller.latest or MemberStats(self._in_flight, 0)
+
+    def health(self) -> str | None:
+        return self.poller.error
+
     async def close(self) -> None:
+        await self.poller.stop()
         await self._client.aclose()
 
     async def post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST `body` (with our model id) and return the JSON answer; UpstreamError on failure."""
+        self._in_flight += 1
         try:
             response = await self._client.post(path, json=self._with_model(body))
         except httpx.HTTPError as exc:
             raise UpstreamError(502, f"upstream {self.name} ({self.base_url}) failed: {exc!r}") from exc
+        finally:
+            self._in_flight -= 1
         if response.status_code >= 400:
             raise UpstreamError(response.status_code, _error_message(response.content, response.status_code))
         try:
@@ -73,6 +101,7 @@ class UpstreamMember(PoolMember):
         Closing the generator early closes the HTTP response, which the upstream sees as a disconnect
         and aborts its request.
         """
+        self._in_flight += 1
         try:
             async with self._client.stream("POST", path, json=self._with_model(body)) as response:
                 if response.status_code >= 400:
@@ -84,6 +113,8 @@ class UpstreamMember(PoolMember):
                     yield _parse_event(data, self.name)
         except httpx.HTTPError as exc:
             raise UpstreamError(502, f"upstream {self.name} ({self.base_url}) failed: {exc!r}") from exc
+        finally:
+            self._in_flight -= 1
 
     def _with_model(self, body: dict[str, Any]) -> dict[str, Any]:
         return {**body, "model": self.served_model}
