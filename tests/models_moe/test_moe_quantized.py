@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.kernels import require_gemv_kernels
 
 from edgeinfer.engine.attention.oneshot import prefill_hidden
 from edgeinfer.engine.config import EngineConfig
@@ -48,7 +49,7 @@ def test_experts_are_quantized_and_close(family, spec, gptq, moe_models, tmp_pat
 @pytest.mark.parametrize("spec", ["int8", "int4:32"])
 def test_experts_run_on_our_cpu_kernels(spec, moe_models):
     """`cpu_gemv` moves the expert stacks onto our kernels too: int8 bit for bit, int4 as W4A8."""
-    kernels.load()
+    require_gemv_kernels()
     ckpt = open_checkpoint(moe_models["qwen3_moe"])
     cpu = torch.device("cpu")
     ids = torch.randint(3, 200, (3,), generator=torch.Generator().manual_seed(1)).tolist()

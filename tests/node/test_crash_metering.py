@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import sqlite3
 import time
+from pathlib import Path
 
 import httpx
 from conftest import NodeProcesses
 
 from edgeinfer.node.metering import STATUS_INTERRUPTED, UsageStore
+
+
+def _until_checkpointed(db: Path, tokens: int, timeout_s: float = 60.0) -> None:
+    """Poll the node's database (read-only) until a request in flight is checkpointed at >= `tokens`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)) as conn:
+            try:
+                (most,) = conn.execute("SELECT MAX(output_tokens) FROM usage_in_flight").fetchone()
+            except sqlite3.OperationalError:  # locked by the writer, or not created yet
+                most = None
+        if most is not None and most >= tokens:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint of {tokens} tokens within {timeout_s} s")
 
 
 def test_kill_9_bills_the_streams_in_flight(tmp_path, tiny_llama_dir) -> None:
@@ -29,7 +47,7 @@ def test_kill_9_bills_the_streams_in_flight(tmp_path, tiny_llama_dir) -> None:
     proc = procs.procs[0]
     try:
         first = {"model": "tiny", "prompt": "Hi", "max_tokens": 60, "ignore_eos": True}  # exactly 60 tokens
-        done = httpx.post(url + "/v1/completions", json=first)
+        done = httpx.post(url + "/v1/completions", json=first, timeout=60)
         assert done.status_code == 200
         # 8 choices one after the other (one seat): seconds of work, killed early on
         body = {
@@ -46,7 +64,7 @@ def test_kill_9_bills_the_streams_in_flight(tmp_path, tiny_llama_dir) -> None:
             while seen < 100:
                 line = next(lines)
                 seen += line.startswith("data: {") and bool(json.loads(line[6:])["choices"])
-            time.sleep(1.5)  # checkpoints after the 100th token (every 0.25 s)
+            _until_checkpointed(next(tmp_path.glob("proc-*.sqlite")), 100)
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
     finally:

@@ -40,7 +40,10 @@ def test_seeds_outside_the_engine_range_never_reach_it(shared_node) -> None:
     async def main() -> tuple[httpx.Response, list[httpx.Response]]:
         async with httpx.AsyncClient(base_url=shared_node.url, timeout=60) as client:
             running = asyncio.create_task(client.post("/v1/completions", json={**long, "stream": True}))
-            await asyncio.sleep(0.2)
+            deadline = time.monotonic() + 30
+            while shared_node.engine("tiny").stats().num_running == 0:  # the long one is decoding
+                assert time.monotonic() < deadline, "the long request never started"
+                await asyncio.sleep(0.01)
             seeds = [
                 client.post("/v1/completions", json={**long, "max_tokens": 2, "seed": 2**64}),
                 client.post("/v1/completions", json={**long, "max_tokens": 2, "seed": -(2**63) - 1}),

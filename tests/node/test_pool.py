@@ -8,7 +8,7 @@ import pytest
 
 from edgeinfer.pool.loader import MemberLoader
 from edgeinfer.pool.manager import ModelPool, PoolCapacityError, UnknownModelError
-from edgeinfer.pool.member import PoolMember
+from edgeinfer.pool.member import MemberStats, PoolMember
 from edgeinfer.pool.policy import DecayingRate, ResidentView, TrafficWeightedLRU
 from edgeinfer.pool.spec import LOCAL, MemberSpec, parse_bytes, parse_model_arg, parse_upstream_arg
 
@@ -29,6 +29,12 @@ class StubMember(PoolMember):
 
     def memory_bytes(self) -> int:
         return self.size
+
+    def stats(self) -> MemberStats:
+        return MemberStats(0, 0)
+
+    def health(self) -> str | None:
+        return None
 
     async def close(self) -> None:
         self.closed = True

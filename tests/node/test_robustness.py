@@ -136,9 +136,8 @@ def test_nan_request_fails_alone_among_concurrent_ones(node_factory, broken_mode
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=node.url, timeout=60) as client:
-            first = await client.post("/v1/completions", json=POISONED)
-            rest = await asyncio.gather(*[client.post("/v1/completions", json=GOOD) for _ in range(3)])
-            return [first, *rest]
+            bodies = [POISONED, GOOD, GOOD, GOOD]  # all in flight together, so they share engine steps
+            return list(await asyncio.gather(*[client.post("/v1/completions", json=b) for b in bodies]))
 
     poisoned, *good = asyncio.run(main())
     assert poisoned.status_code == 500

@@ -310,11 +310,12 @@ def test_sigkill_under_traffic(router: RouterThread, loopback_fleet: LoopbackFle
         try:
             for w in range(4):
                 pool.submit(traffic, w)
-            time.sleep(1.0)
+            wait_until(lambda: len(results) >= 100, 60, "traffic over every node")
             killed_at = time.monotonic()
             victim.kill()
             assert _finishes_cleanly(cut) is False  # cut short, never resumed on another node
-            time.sleep(2.5)
+            late_count = lambda: sum(r["start"] > killed_at + 0.5 for r in results)  # noqa: E731
+            wait_until(lambda: late_count() >= 200, 60, "traffic after the kill")
         finally:
             stop.set()
     late = [r for r in results if r["start"] > killed_at + 0.5]

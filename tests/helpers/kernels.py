@@ -1,0 +1,17 @@
+"""Skips for tests of our CPU kernels, with the reason, where this machine cannot build or run them."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgeinfer.engine.quant import kernels
+
+
+def require_gemv_kernels() -> None:
+    """The int8/int4 GEMV kernels need AVX512-VNNI and a C++ compiler that builds them."""
+    if not kernels.cpu_has_vnni():
+        pytest.skip("the int8/int4 GEMV kernels need an x86 CPU with AVX512-VNNI")
+    try:
+        kernels.load()
+    except kernels.KernelBuildError as e:  # no C++ compiler, or one that cannot target these ISAs
+        pytest.skip(f"the CPU kernels cannot be built here: {e}")
