@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,14 +80,20 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
+# torch's default dtype is process-wide: two engines building at once (the pool loads in worker threads)
+# would each switch it under the other, so building holds this lock.
+_DEFAULT_DTYPE_LOCK = threading.Lock()
+
+
 def _build(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device), _SkipInit() if device.type == "meta" else contextlib.nullcontext():
-            return build_model(ckpt.config)
-    finally:
-        torch.set_default_dtype(previous)
+    with _DEFAULT_DTYPE_LOCK:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device), _SkipInit() if device.type == "meta" else contextlib.nullcontext():
+                return build_model(ckpt.config)
+        finally:
+            torch.set_default_dtype(previous)
 
 
 def _load_fresh(
