@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from edgeinfer.pool.member import MemberStats
 
 logger = logging.getLogger("edgeinfer.pool")
+# A stats read never waits as long as a generation may (the member's client allows minutes).
+POLL_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -95,15 +97,17 @@ class StatsPoller:
             self.latest = await self._read()
             self.error = None
         except (httpx.HTTPError, ValueError) as exc:  # unreachable, or an answer we cannot read
+            if self.error is None:  # once per outage, not at every poll
+                logger.warning("upstream %s: reading its stats failed: %r", self._served, exc)
             self.latest, self.error = None, f"stats unavailable: {exc!r}"
 
     async def _read(self) -> MemberStats | None:
-        response = await self._client.get("/metrics")
+        response = await self._client.get("/metrics", timeout=POLL_TIMEOUT_S)
         if response.status_code < 400:
             stats = parse_metrics(response.text, self._served)
             if stats is not None:
                 return stats
-        response = await self._client.get("/slots")
+        response = await self._client.get("/slots", timeout=POLL_TIMEOUT_S)
         if response.status_code < 400 and isinstance(slots := response.json(), list):
             return parse_slots(slots)
         return None  # an upstream that shows no load: only what the node sends it counts
