@@ -36,7 +36,8 @@ VARIANTS = {"bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}, "fp
 PROMPTS = (64, 256, 1024)
 BATCHES = (1, 4, 16)
 CONTEXTS = (128, 512)
-DECODE_STEPS = 6
+DECODE_STEPS = 10
+REPEATS = 3
 # Process CPU time by default (other work on a shared machine does not count); `measure(wall=True)` times
 # wall-clock instead, for comparing with a fleet running on this machine as it is.
 _clock = time.process_time
@@ -46,6 +47,7 @@ def load(variant: str, model: str = DEFAULT_MODEL) -> tuple[LLMEngine, float]:
     started = _clock()
     config = EngineConfig(
         model=model,
+        threads=1,  # one node = one core (the engine's default is every core)
         batch_window_ms=0,
         enable_prefix_caching=False,
         max_num_batched_tokens=16384,
@@ -68,16 +70,22 @@ def _drain(engine: LLMEngine) -> None:
 
 
 def prefill_times(engine: LLMEngine, rng: random.Random) -> list[tuple[int, float]]:
+    """Median of REPEATS prefills per prompt length: a step's first-call costs (new shapes, allocations,
+    a collection) would otherwise dominate a small model's times."""
     rows = []
     for n in PROMPTS:
-        _add(engine, rng, n, 1)
-        started = _clock()
-        _drain(engine)  # one step: the prompt's prefill, whose sample is the only token
-        rows.append((n, _clock() - started))
+        times = []
+        for _ in range(REPEATS):
+            _add(engine, rng, n, 1)
+            started = _clock()
+            _drain(engine)  # one step: the prompt's prefill, whose sample is the only token
+            times.append(_clock() - started)
+        rows.append((n, float(np.median(times))))
     return rows
 
 
 def step_times(engine: LLMEngine, rng: random.Random) -> list[tuple[int, int, float]]:
+    """Median decode step time per (batch, context), each step timed alone (same reason as above)."""
     rows = []
     for batch in BATCHES:
         for context in CONTEXTS:
@@ -85,10 +93,12 @@ def step_times(engine: LLMEngine, rng: random.Random) -> list[tuple[int, int, fl
                 _add(engine, rng, context, DECODE_STEPS + 2)
             engine.step()  # prefill of the whole batch
             engine.step()  # first decode step (warm-up)
-            started = _clock()
+            times = []
             for _ in range(DECODE_STEPS):
+                started = _clock()
                 engine.step()
-            rows.append((batch, context, (_clock() - started) / DECODE_STEPS))
+                times.append(_clock() - started)
+            rows.append((batch, context, float(np.median(times))))
             _drain(engine)
     return rows
 
