@@ -7,10 +7,14 @@
 3. For each load level the arrivals of `scenarios/loopback-3.toml` at that rate are drawn by the simulator's
    demand model and replayed against the fleet: each request goes to the router of its client's location
    (`x-client-location`), streaming, with the drawn prompt (random words) and output length (`ignore_eos`).
+   Before the load levels, sequential requests on the idle fleet measure what serving adds to the engine's
+   times (HTTP, the router's proxying, tokenizing, SSE): the `served` profile is the engine profile plus
+   that per first token (prefill overhead) and per further token (step base).
 4. The simulator replays the same arrivals, with the prompt lengths the nodes reported, through the same
-   scenario and the measured profile; predicted and measured p50/p99 go to docs/fleet.md.
+   scenario with the served and with the engine-only profile; predicted and measured p50/p99 go to
+   docs/fleet.md.
 
-    .venv/bin/python bench/fleet_calibrate.py [--rates 2 6] [--duration-s 90] [--repeat 2] [--write-docs]
+    .venv/bin/python bench/fleet_calibrate.py [--rates 2 8] [--duration-s 60] [--repeat 2] [--write-docs]
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import numpy as np
 
 from edgeinfer.bench.client import RequestSpec, build_payload, send_request
 from edgeinfer.fleet.sim_demand import Arrivals, generate
-from edgeinfer.fleet.sim_profile import load_profile
+from edgeinfer.fleet.sim_fleet import rtt_matrix
+from edgeinfer.fleet.sim_profile import load_profile, parse_profile
 from edgeinfer.fleet.sim_run import build_locations, run_policy
 from edgeinfer.fleet.sim_scenario import load_scenario
 from edgeinfer.fleet.up import SITES
@@ -108,6 +113,12 @@ class LoopbackFleet:
             self.proc.wait(10)
 
 
+def scenario_rtt_s(profile_path: Path) -> float:
+    """The RTT from the first site to itself (its last mile), as the simulator charges it."""
+    sc = scenario_for(profile_path, 1.0, 1.0)
+    return float(rtt_matrix(build_locations(sc), sc.network.path_inflation, sc.network.last_mile_ms)[0, 0])
+
+
 def prompt_text(tokens: int, rng: random.Random) -> str:
     """Random corpus words, about one token each: no two prompts share a cacheable prefix."""
     return " ".join(rng.choice(WORDS) for _ in range(max(1, tokens)))
@@ -130,6 +141,42 @@ async def replay(arrivals: Arrivals, codes: list[str], urls: dict[str, str], see
         return await asyncio.gather(*(one(i) for i in range(len(arrivals))))
 
 
+async def _probe(url: str, code: str, tokens: int, count: int) -> list:
+    rng = random.Random(0)
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        records = []
+        for _ in range(count):
+            spec = RequestSpec(prompt_text(128, rng), tokens, 0)
+            payload = build_payload("/v1/completions", MODEL, spec)
+            headers = {"x-client-location": code}
+            records.append(await send_request(client, url + "/v1/completions", payload, spec, headers))
+        return [r for r in records if r.ok]
+
+
+def served_profile(fleet: LoopbackFleet, profile: dict, rtt_s: float, count: int = 8) -> dict:
+    """The engine profile plus what serving adds on an idle fleet (HTTP, router, tokenizer, SSE): the
+    median extra time to the first token joins the prefill overhead, the median extra per further token
+    the decode step's base. Measured by sequential requests, before and apart from the load levels."""
+    code = SITES[0][0]
+    entry = profile["models"][f"{MODEL}-fp32"]
+    engine = parse_profile(profile).model(f"{MODEL}-fp32")
+    short = asyncio.run(_probe(fleet.urls[code], code, 1, count))
+    long = asyncio.run(_probe(fleet.urls[code], code, 65, count))
+    first = [r.ttft - rtt_s - engine.prefill_s(r.prompt_tokens) for r in short]
+    per_token = [(r.e2e - r.ttft) / 64 - engine.step_s(1, r.prompt_tokens + 32) for r in long]
+    extra_first, extra_token = float(np.median(first)), float(np.median(per_token))
+    served = {
+        **entry,
+        "prefill_overhead_ms": round(entry["prefill_overhead_ms"] + 1000 * max(0.0, extra_first), 3),
+        "step_base_ms": round(entry["step_base_ms"] + 1000 * max(0.0, extra_token), 3),
+    }
+    return {
+        **profile,
+        "models": {f"{MODEL}-fp32": served},
+        "serving_ms": (1000 * extra_first, 1000 * extra_token),
+    }
+
+
 def measured_arrivals(arrivals: Arrivals, records: list) -> tuple[Arrivals, np.ndarray]:
     """The replayed arrivals with the prompt lengths the nodes counted; `ok` marks served requests."""
     ok = np.array([r.ok and r.output_tokens > 0 for r in records])
@@ -145,8 +192,11 @@ def pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q) * 1000) if len(values) else float("nan")
 
 
-def one_level(fleet: LoopbackFleet, profile_path: Path, rate: float, duration_s: float, seed: int) -> dict:
-    sc = replace(scenario_for(profile_path, rate, duration_s), seed=seed)
+def one_level(
+    fleet: LoopbackFleet, profiles: dict[str, Path], rate: float, duration_s: float, seed: int
+) -> dict:
+    """Replay one load level; predict it with each profile (`served`, `engine`)."""
+    sc = replace(scenario_for(profiles["served"], rate, duration_s), seed=seed)
     locations = build_locations(sc)
     arrivals = generate(sc, locations, np.random.default_rng(seed))
     codes = [loc.code for loc in locations]
@@ -154,57 +204,72 @@ def one_level(fleet: LoopbackFleet, profile_path: Path, rate: float, duration_s:
     records = asyncio.run(replay(arrivals, codes, fleet.urls, seed))
     load_after = os.getloadavg()[0]
     replayed, ok = measured_arrivals(arrivals, records)
-    run = run_policy(sc, load_profile(profile_path), locations, replayed, "router", progress=False)
-    rec = run.fleet.records
-    real_ttft = np.array([r.ttft if r.ok else np.nan for r in records])
-    real_e2e = np.array([r.e2e if r.ok else np.nan for r in records])
     row = {"rate": rate, "seed": seed, "requests": len(arrivals), "failed": int((~ok).sum())}
     row["errors"] = sorted({r.error[:120] for r in records if not r.ok})[:3]
-    for name, real, sim in (("ttft", real_ttft, rec.ttft), ("e2e", real_e2e, rec.e2e)):
+    real = {
+        "ttft": np.array([r.ttft if r.ok else np.nan for r in records]),
+        "e2e": np.array([r.e2e if r.ok else np.nan for r in records]),
+    }
+    for name, real_values in real.items():
         for q in (50, 99):
-            row[f"{name}_p{q}_measured"] = pct(real, q)
-            row[f"{name}_p{q}_predicted"] = pct(sim[ok], q)
+            row[f"{name}_p{q}_measured"] = pct(real_values, q)
+    for label, path in profiles.items():
+        sc_label = replace(sc, base_dir=path.parent, nodes=replace(sc.nodes, profile=path.name))
+        rec = run_policy(
+            sc_label, load_profile(path), locations, replayed, "router", progress=False
+        ).fleet.records
+        for name, sim in (("ttft", rec.ttft), ("e2e", rec.e2e)):
+            for q in (50, 99):
+                row[f"{name}_p{q}_{label}"] = pct(sim[ok], q)
     row["load"] = (load_before, load_after)
     return row
 
 
-def table(rows: list[dict], profile: dict, args: argparse.Namespace) -> str:
+def table(rows: list[dict], profile: dict, served: dict, args: argparse.Namespace) -> str:
     entry = profile["models"][f"{MODEL}-fp32"]
     clock = profile["source"].split(", ", 1)[1]
+    first_ms, token_ms = served["serving_ms"]
+    rates = " ".join(f"{r:g}" for r in args.rates)
     lines = [
         "### Calibration: loopback fleet vs simulator",
         "",
-        f"Machine: {profile['device']}; profile of the tiny Llama ({clock}, one thread): prefill "
-        f"{entry['prefill_tok_s']:.0f} tok/s + {entry['prefill_overhead_ms']:.1f} ms, step "
-        f"{entry['step_base_ms']:.2f} + {entry['step_per_seq_ms']:.3f} × batch + "
-        f"{entry['step_per_kctx_ms']:.3f} × kctx ms.",
-        f"Command: `.venv/bin/python bench/fleet_calibrate.py --rates {' '.join(map(str, args.rates))} "
+        f"Machine: {profile['device']}; engine profile of the tiny Llama ({clock}, one thread): prefill "
+        f"{entry['prefill_tok_s']:.0f} tok/s + {entry['prefill_overhead_ms']:.2f} ms, step "
+        f"{entry['step_base_ms']:.3f} + {entry['step_per_seq_ms']:.3f} × batch + "
+        f"{entry['step_per_kctx_ms']:.3f} × kctx ms. Serving on the idle fleet added "
+        f"{first_ms:.1f} ms to the first token and {token_ms:.2f} ms per further token "
+        "(the `served` profile adds them).",
+        f"Command: `.venv/bin/python bench/fleet_calibrate.py --rates {rates} "
         f"--duration-s {args.duration_s:g} --repeat {args.repeat} --write-docs`",
         "",
-        "| req/s | run | requests | failed | TTFT p50 sim / real ms | TTFT p99 sim / real ms "
-        "| E2E p50 sim / real ms | E2E p99 sim / real ms | TTFT p50 error | E2E p50 error | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "ms, measured / predicted with the served profile; error = predicted / measured − 1; the last column "
+        "predicts p50 TTFT / E2E with the engine-only profile.",
+        "",
+        "| req/s | run | requests | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | p50 error TTFT, E2E "
+        "| engine-only p50 TTFT / E2E | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rows):
 
         def pair(name: str, r: dict = r) -> str:
-            return f"{r[name + '_predicted']:.0f} / {r[name + '_measured']:.0f}"
+            return f"{r[name + '_measured']:.0f} / {r[name + '_served']:.0f}"
 
         def err(name: str, r: dict = r) -> str:
-            return f"{100 * (r[name + '_predicted'] / r[name + '_measured'] - 1):+.0f} %"
+            return f"{100 * (r[name + '_served'] / r[name + '_measured'] - 1):+.0f} %"
 
         lines.append(
-            f"| {r['rate']:g} | {i % args.repeat + 1} | {r['requests']} | {r['failed']} | {pair('ttft_p50')} "
-            f"| {pair('ttft_p99')} | {pair('e2e_p50')} | {pair('e2e_p99')} | {err('ttft_p50')} "
-            f"| {err('e2e_p50')} | {r['load'][0]:.1f} → {r['load'][1]:.1f} |"
+            f"| {r['rate']:g} | {i % args.repeat + 1} | {r['requests']} ({r['failed']} failed) "
+            f"| {pair('ttft_p50')} | {pair('ttft_p99')} | {pair('e2e_p50')} | {pair('e2e_p99')} "
+            f"| {err('ttft_p50')}, {err('e2e_p50')} | {r['ttft_p50_engine']:.0f} / {r['e2e_p50_engine']:.0f} "
+            f"| {r['load'][0]:.1f} → {r['load'][1]:.1f} |"
         )
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rates", type=float, nargs="+", default=[2.0, 6.0])
-    ap.add_argument("--duration-s", type=float, default=90.0)
+    ap.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0])
+    ap.add_argument("--duration-s", type=float, default=60.0)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--wall-clock-profile", action="store_true", help="profile by wall clock, not CPU time")
@@ -219,13 +284,20 @@ def main() -> None:
         fleet = LoopbackFleet(model_dir, work / "fleet")
         rows = []
         try:
+            rtt_s = scenario_rtt_s(profile_path)
+            served = served_profile(fleet, profile, rtt_s)
+            served_path = work / "served" / "profile.json"
+            served_path.parent.mkdir()
+            served_path.write_text(json.dumps(served))
+            print("serving adds (first token, per token) ms:", served["serving_ms"], flush=True)
+            profiles = {"served": served_path, "engine": profile_path}
             for rate in args.rates:
                 for rep in range(args.repeat):
-                    rows.append(one_level(fleet, profile_path, rate, args.duration_s, seed=1 + rep))
+                    rows.append(one_level(fleet, profiles, rate, args.duration_s, seed=1 + rep))
                     print(json.dumps(rows[-1]), flush=True)
         finally:
             fleet.stop()
-    body = table(rows, profile, args)
+    body = table(rows, profile, served, args)
     print(body)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
