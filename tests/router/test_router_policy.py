@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 from collections import Counter
 
 import pytest
 
+from edgeinfer.router.cli import add_arguments, build_config
 from edgeinfer.router.geo import Location, RttTable, great_circle_km
 from edgeinfer.router.policy import (
     ModelCosts,
@@ -225,3 +227,12 @@ def test_router_loads_no_engine_pool_or_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_router_flags_set_the_wait_constants():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--fleet", "f.toml", "--location", "fra", "--wait-per-running-s", "0.02"])
+    policy = build_config(args).policy
+    assert policy.wait_per_running_s == 0.02
+    assert policy.wait_per_queued_s == CONFIG.wait_per_queued_s
