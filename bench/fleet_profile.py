@@ -8,6 +8,7 @@ tokens / throughput), decode step time against batch size and context (fit: base
 per_kctx x total context / 1000), and the memory a resident copy takes (weights + KV pool).
 
     .venv/bin/python bench/fleet_profile.py [--variants bf16 int8] [--out PROFILE.json]
+    .venv/bin/python bench/fleet_profile.py --model tiny=PATH --variants fp32 --out tiny.json
 """
 
 from __future__ import annotations
@@ -31,24 +32,34 @@ sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import machine
 
 OUT = Path(__file__).parents[1] / "src/edgeinfer/fleet/profiles/cpu-epyc-zen4.json"
-VARIANTS = {"bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+VARIANTS = {"bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}, "fp32": {"dtype": "float32"}}
 PROMPTS = (64, 256, 1024)
 BATCHES = (1, 4, 16)
 CONTEXTS = (128, 512)
-DECODE_STEPS = 6
+DECODE_STEPS = 10
+REPEATS = 3
+# Process CPU time by default (other work on a shared machine does not count); `measure(wall=True)` times
+# wall-clock instead, for comparing with a fleet running on this machine as it is.
+_clock = time.process_time
 
 
-def load(variant: str) -> tuple[LLMEngine, float]:
-    started = time.process_time()
+def load(variant: str, model: str = DEFAULT_MODEL) -> tuple[LLMEngine, float]:
+    started = _clock()
     config = EngineConfig(
-        batch_window_ms=0, enable_prefix_caching=False, max_num_batched_tokens=16384, **VARIANTS[variant]
+        model=model,
+        threads=1,  # one node = one core (the engine's default is every core)
+        batch_window_ms=0,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=16384,
+        **VARIANTS[variant],
     )
     engine = LLMEngine(config)
-    return engine, time.process_time() - started
+    return engine, _clock() - started
 
 
 def _add(engine: LLMEngine, rng: random.Random, prompt: int, max_tokens: int) -> None:
-    ids = [rng.randrange(1000, 20000) for _ in range(prompt)]
+    vocab = engine.model.args.vocab_size
+    ids = [rng.randrange(vocab // 20, vocab) for _ in range(prompt)]
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.add_request(EngineRequest(f"r{rng.random()}", ids, sp, arrival_time=engine.clock()))
 
@@ -59,16 +70,22 @@ def _drain(engine: LLMEngine) -> None:
 
 
 def prefill_times(engine: LLMEngine, rng: random.Random) -> list[tuple[int, float]]:
+    """Median of REPEATS prefills per prompt length: a step's first-call costs (new shapes, allocations,
+    a collection) would otherwise dominate a small model's times."""
     rows = []
     for n in PROMPTS:
-        _add(engine, rng, n, 1)
-        started = time.process_time()
-        _drain(engine)  # one step: the prompt's prefill, whose sample is the only token
-        rows.append((n, time.process_time() - started))
+        times = []
+        for _ in range(REPEATS):
+            _add(engine, rng, n, 1)
+            started = _clock()
+            _drain(engine)  # one step: the prompt's prefill, whose sample is the only token
+            times.append(_clock() - started)
+        rows.append((n, float(np.median(times))))
     return rows
 
 
 def step_times(engine: LLMEngine, rng: random.Random) -> list[tuple[int, int, float]]:
+    """Median decode step time per (batch, context), each step timed alone (same reason as above)."""
     rows = []
     for batch in BATCHES:
         for context in CONTEXTS:
@@ -76,21 +93,27 @@ def step_times(engine: LLMEngine, rng: random.Random) -> list[tuple[int, int, fl
                 _add(engine, rng, context, DECODE_STEPS + 2)
             engine.step()  # prefill of the whole batch
             engine.step()  # first decode step (warm-up)
-            started = time.process_time()
+            times = []
             for _ in range(DECODE_STEPS):
+                started = _clock()
                 engine.step()
-            rows.append((batch, context, (time.process_time() - started) / DECODE_STEPS))
+                times.append(_clock() - started)
+            rows.append((batch, context, float(np.median(times))))
             _drain(engine)
     return rows
 
 
 def fit(prefill: list[tuple[int, float]], steps: list[tuple[int, int, float]]) -> dict[str, float]:
     n = np.array([r[0] for r in prefill], dtype=float)
-    slope, intercept = np.polyfit(n, [r[1] for r in prefill], 1)
+    t = np.array([r[1] for r in prefill])
+    slope, intercept = np.polyfit(n, t, 1)
+    if slope <= 0:
+        # A model so small that its prefill time does not grow over these prompts: all overhead.
+        slope, intercept = 0.0, float(t.mean())
     a = np.array([[1.0, b, b * c / 1000] for b, c, _ in steps])
     coef, *_ = np.linalg.lstsq(a, np.array([s for *_, s in steps]), rcond=None)
     return {
-        "prefill_tok_s": round(1 / slope, 1),
+        "prefill_tok_s": round(1 / slope, 1) if slope else 1e9,
         "prefill_overhead_ms": round(max(0.0, intercept) * 1000, 2),
         "step_base_ms": round(max(0.0, coef[0]) * 1000, 3),
         "step_per_seq_ms": round(max(0.0, coef[1]) * 1000, 3),
@@ -98,8 +121,8 @@ def fit(prefill: list[tuple[int, float]], steps: list[tuple[int, int, float]]) -
     }
 
 
-def profile(variant: str) -> tuple[dict, dict]:
-    engine, load_s = load(variant)
+def profile(variant: str, model: str = DEFAULT_MODEL) -> tuple[dict, dict]:
+    engine, load_s = load(variant, model)
     rng = random.Random(0)
     _add(engine, rng, 32, 2)  # warm-up: first-call costs stay out of the fits
     _drain(engine)
@@ -120,23 +143,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument(
+        "--model", default=None, metavar="NAME=PATH", help=f"a local checkpoint ({DEFAULT_MODEL})"
+    )
     args = ap.parse_args()
+    name, _, path = (args.model or f"{DEFAULT_MODEL}={DEFAULT_MODEL}").partition("=")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(measure(name, path or name, args.variants), indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+def measure(name: str, model: str, variants: list[str], wall: bool = False) -> dict:
+    """The profile document of `model` (a checkpoint name or path) in each variant, on one thread."""
+    global _clock
+    _clock = time.perf_counter if wall else time.process_time
     torch.set_num_threads(1)
     models, measurements = {}, {}
-    for variant in args.variants:
-        name = f"{DEFAULT_MODEL}-{variant}"
-        models[name], measurements[name] = profile(variant)
-        print(name, json.dumps(models[name]), flush=True)
-    doc = {
+    for variant in variants:
+        key = f"{name}-{variant}"
+        models[key], measurements[key] = profile(variant, model)
+        print(key, json.dumps(models[key]), flush=True)
+    return {
         "device": f"one core of {machine()}",
-        "source": "measured by bench/fleet_profile.py with edgeinfer's engine, process CPU time "
+        "source": "measured by bench/fleet_profile.py with edgeinfer's engine, "
+        f"{'wall-clock' if wall else 'process CPU'} time "
         f"(1-min load average {os.getloadavg()[0]:.1f} at the end)",
         "models": models,
         "measurements": measurements,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from edgeinfer.fleet.sim_scenario import load_scenario
 sys.path.insert(0, str(Path(__file__).parent))
 from docs_table import replace_section
 
-GRID = ((100, 20.0), (300, 10.0), (300, 20.0), (300, 40.0))
+GRID = ((100, 20.0), (200, 20.0), (300, 10.0), (300, 20.0), (300, 40.0))
 POLICIES = ("router", "nearest", "least-loaded", "round-robin")
 
 

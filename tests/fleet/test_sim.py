@@ -186,3 +186,13 @@ def test_least_loaded_skips_saturated_nodes_and_loads_a_cold_copy(tmp_path):
     # One queued request saturates a node: the third goes to the cold node, which loads the model (2 s).
     assert fleet.records.node.tolist() == [0, 1, 2]
     assert fleet.records.ttft[2] - fleet.records.rtt[2] == pytest.approx(2.0 + SERVICE_S)
+
+
+def test_cached_node_states_decide_as_fresh_ones(three_locations, monkeypatch):
+    # The fast path (a node's NodeState rebuilt only when it changed, RTTs by code from a dict) against the
+    # plain one (a fresh NodeState per node per request, RTTs from the matrix): the same report.
+    scenario = replace(three_locations(4), policies=("router", "nearest"))
+    fast = deterministic(all_metrics(simulate(scenario)))
+    monkeypatch.setattr(Fleet, "node_state", Fleet.fresh_state)
+    monkeypatch.setattr(Fleet, "rtt_by_code", lambda self, a, b: self._rtt[self._index[a]][self._index[b]])
+    assert deterministic(all_metrics(simulate(scenario))) == fast

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 from collections import Counter
 
 import pytest
 
+from edgeinfer.router.cli import add_arguments, build_config
 from edgeinfer.router.geo import Location, RttTable, great_circle_km
 from edgeinfer.router.policy import (
+    ModelCosts,
     NodeState,
     PolicyConfig,
     RequestFeatures,
@@ -83,8 +86,44 @@ def test_queue_wait_spills_to_next_location_and_comes_back():
     queued = node("fra", "FRA", running=4, queue_depth=3)  # 4 slots busy, 3 waiting
     decision = route([queued, ams])
     assert decision.best.node_id == "ams" and decision.spilled
-    assert decision.ranked[1].queue_wait_s == pytest.approx(1.0)  # (7 + 1 - 4) / 4 x 1 s
-    assert not route([node("fra", "FRA", running=2), ams]).spilled
+    # 4 running x 10 ms + 3 queued x 50 ms + slot wait (7 + 1 - 4) / 4 x 1 s
+    assert decision.ranked[1].queue_wait_s == pytest.approx(0.04 + 0.15 + 1.0)
+    assert not route([node("fra", "FRA"), ams]).spilled
+
+
+def test_every_running_request_adds_queue_wait():
+    # At equal RTT the node with more running requests ranks lower, long before its slots are full.
+    busier, idler = node("a", "FRA", running=2, capacity=16), node("b", "FRA", running=1, capacity=16)
+    ranked = route([busier, idler, node("c", "AMS", running=3, capacity=16)]).ranked
+    assert [c.node_id for c in ranked] == ["b", "c", "a"]
+    waits = {c.node_id: c.queue_wait_s for c in ranked}
+    assert waits["b"] == pytest.approx(CONFIG.wait_per_running_s)
+    assert waits["a"] == pytest.approx(2 * CONFIG.wait_per_running_s)
+    # Two FRA nodes, same RTT: estimate ranks the busier one behind.
+    snap = Snapshot([busier, idler], RTT, NOW)
+    idle_ttft = estimate(snap, req(), idler, CONFIG).expected_ttft_s
+    assert idle_ttft < estimate(snap, req(), busier, CONFIG).expected_ttft_s
+    # A location whose node runs more requests loses to an idle one a few ms farther away; without the
+    # per-running term (slots still free) it would not.
+    loaded = [node("fra", "FRA", running=3), node("ams", "AMS")]
+    assert route(loaded).best.node_id == "ams"
+    assert route(loaded, config=PolicyConfig(wait_per_running_s=0.0)).best.node_id == "fra"
+
+
+def test_per_model_costs_bigger_model_cold_load_costs_more():
+    costs = {"small": ModelCosts(cold_load_s=0.05), "big": ModelCosts(cold_load_s=20.0)}
+    config = PolicyConfig(models=costs)
+    both = frozenset({"small", "big"})
+    cold_fra = NodeState("fra", "FRA", both, capacity=4, ts=NOW)
+    warm_sin = NodeState("sin", "SIN", both, both, capacity=4, ts=NOW)
+    snap = Snapshot([cold_fra, warm_sin], RTT, NOW)
+    small, big = RequestFeatures("small", 100, "FRA"), RequestFeatures("big", 100, "FRA")
+    assert estimate(snap, big, cold_fra, config).cold_s > estimate(snap, small, cold_fra, config).cold_s
+    # Loading the small model nearby beats the far warm copy; for the big one, spilling far wins.
+    assert decide(snap, small, random.Random(0), config).best.node_id == "fra"
+    assert decide(snap, big, random.Random(0), config).best.node_id == "sin"
+    # A model the map does not list falls back to the global constants.
+    assert config.costs("other").cold_load_s == CONFIG.cold_load_s
 
 
 def test_cached_prefix_shortens_prefill():
@@ -188,3 +227,12 @@ def test_router_loads_no_engine_pool_or_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_router_flags_set_the_wait_constants():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--fleet", "f.toml", "--location", "fra", "--wait-per-running-s", "0.02"])
+    policy = build_config(args).policy
+    assert policy.wait_per_running_s == 0.02
+    assert policy.wait_per_queued_s == CONFIG.wait_per_queued_s

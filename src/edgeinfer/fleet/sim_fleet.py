@@ -10,6 +10,8 @@ of the profile), evicting the least recently used idle model when memory is shor
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import simpy
 
@@ -64,6 +66,13 @@ class Fleet:
             for n in self.nodes
         ]
         self._name_sets: dict[frozenset[int], frozenset[str]] = {}
+        self._states: list[router_policy.NodeState | None] = [None] * len(self.nodes)
+        codes = [loc.code for loc in locations]
+        # The router policy's view per client city: the nodes of its nearest locations, and RTTs by code.
+        self.candidates = [[n for loc in near for n in self.by_location[loc]] for near in self.nearest]
+        self._rtt_by_codes = {
+            (codes[a], codes[b]): self._rtt[a][b] for a, near in enumerate(self.nearest) for b in near
+        }
         self.rejected = 0
 
     # ---- construction ----------------------------------------------------------------------------
@@ -93,7 +102,8 @@ class Fleet:
 
     # ---- what the router's policy sees ------------------------------------------------------------
     def rtt_by_code(self, a: str, b: str) -> float:
-        return self._rtt[self._index[a]][self._index[b]]
+        rtt = self._rtt_by_codes.get((a, b))
+        return self._rtt[self._index[a]][self._index[b]] if rtt is None else rtt
 
     def _names(self, models: frozenset[int]) -> frozenset[str]:
         names = self._name_sets.get(models)
@@ -102,6 +112,15 @@ class Fleet:
         return names
 
     def node_state(self, node: Node) -> router_policy.NodeState:
+        """The node's status as the router would see it, rebuilt only when the node changed since."""
+        state = self._states[node.node_id]
+        if state is None or node.changed:
+            state = self._states[node.node_id] = self.fresh_state(node)
+            node.changed = False
+        return state
+
+    def fresh_state(self, node: Node) -> router_policy.NodeState:
+        # ts = 0 with no staleness bound (policy_config): the simulated status is live, never stale.
         return router_policy.NodeState(
             node_id=node.name,
             location=self.locations[node.location].code,
@@ -112,21 +131,22 @@ class Fleet:
             running=node.num_running,
             kv_usage=node.kv_usage(),
             capacity=node.capacity,
-            ts=self.env.now,
+            ts=0.0,
         )
 
     def policy_config(self) -> router_policy.PolicyConfig:
-        """The constants a router operator would set for this fleet, from the most popular model's profile."""
-        top = max(range(len(self.scenario.models)), key=lambda m: self.scenario.models[m].popularity)
-        demand, profile = self.scenario.models[top], self.model_profiles[top]
-        half = max(1, self.scenario.nodes.max_batch // 2)
-        context = half * (demand.prompt_tokens.median + demand.output_tokens.median / 2)
-        service = demand.output_tokens.median * profile.step_s(half, context)
+        """The constants a router operator would set for this fleet: each model's costs from its profile."""
+        models = {
+            m.name: model_costs(
+                prof, m.prompt_tokens.median, m.output_tokens.median, self.scenario.nodes.max_batch
+            )
+            for m, prof in zip(self.scenario.models, self.model_profiles, strict=True)
+        }
         return router_policy.PolicyConfig(
-            prefill_tokens_per_s=profile.prefill_tok_s,
-            service_time_s=service,
-            cold_load_s=profile.load_s,
             busy_queue_depth=self.scenario.nodes.busy_queue,
+            stale_after_s=math.inf,
+            drop_after_s=math.inf,
+            models=models,
         )
 
     # ---- the request feed ------------------------------------------------------------------------
@@ -152,6 +172,23 @@ class Fleet:
                 self.rejected += 1
             if progress is not None and i % 5000 == 0:
                 progress.update(5000 if i else 0)
+
+
+def model_costs(
+    profile: ModelProfile, prompt: float, output: float, max_batch: int
+) -> router_policy.ModelCosts:
+    """The policy's constants for one model, from its profile at a typical request (median prompt and
+    output) in a half-full batch."""
+    half = max(1, max_batch // 2)
+    step = profile.step_s(half, half * (prompt + output / 2))
+    return router_policy.ModelCosts(
+        prefill_tokens_per_s=profile.prefill_tok_s,
+        cold_load_s=profile.load_s,
+        service_time_s=output * step,
+        # A newcomer waits for the step in progress, on average half of one; each running request's share.
+        wait_per_running_s=step / half / 2,
+        wait_per_queued_s=profile.prefill_s(int(prompt)),
+    )
 
 
 def rtt_matrix(locations: list[Location], inflation: float, last_mile_ms: float) -> np.ndarray:

@@ -108,6 +108,8 @@ class Node:
         self.num_running = 0
         self.warm_set: frozenset[int] = frozenset()
         self.loading_set: frozenset[int] = frozenset()
+        # Set whenever anything a NodeState reports changes: the fleet rebuilds its state only then.
+        self.changed = True
         self._wake: simpy.Event | None = None
         env.process(self._loop())
 
@@ -131,6 +133,7 @@ class Node:
         for m in range(self.board.warm.shape[0]):
             self.board.warm[m, self.node_id] = m in self.warm_set
         self.board.capacity[self.node_id] = self.capacity
+        self.changed = True
 
     @property
     def saturated(self) -> bool:
@@ -146,11 +149,15 @@ class Node:
             return True
         free = self.limits.memory_gb - sum(s.profile.memory_gb for s in self.slots.values())
         idle = sorted((s for s in self.slots.values() if not s.waiting and not s.running), key=_lru)
+        evicted = False
         while free < profile.memory_gb and idle:
             victim = idle.pop(0)
             del self.slots[victim.model]
             free += victim.profile.memory_gb
+            evicted = True
         if free < profile.memory_gb:
+            if evicted:
+                self._residency_changed()
             return False
         load_s = 0.0 if preload else profile.load_s
         slot = ModelSlot(model, profile, self.env.now + load_s)
@@ -175,6 +182,7 @@ class Node:
         slot = self.slots[req.model]
         slot.waiting.append(req)
         self.queue_depth += 1
+        self.changed = True
         self.board.in_flight[self.node_id] += 1
         self.board.saturated[self.node_id] = self.saturated
         if slot.ready_at <= self.env.now and len(slot.running) < self.limits.max_batch:
@@ -217,8 +225,10 @@ class Node:
                 slot.last_used = now
                 budget -= req.prompt - cached
                 admitted.append((slot, req))
-        self.queue_depth -= len(admitted)
-        self.num_running += len(admitted)
+        if admitted:
+            self.queue_depth -= len(admitted)
+            self.num_running += len(admitted)
+            self.changed = True
         self.board.saturated[self.node_id] = self.saturated
         return admitted
 
@@ -266,6 +276,7 @@ class Node:
         slot.remember(req)
         slot.last_used = now
         self.num_running -= 1
+        self.changed = True
         self.board.in_flight[self.node_id] -= 1
         self.on_finish(req, now)
 

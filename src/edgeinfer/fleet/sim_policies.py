@@ -43,10 +43,8 @@ class RouterPolicy:
 
     def choose(self, req: SimRequest, city: int) -> Sequence[Node]:
         fleet = self.fleet
-        nodes = [n for loc in fleet.nearest[city] for n in fleet.by_location[loc]]
-        snapshot = router_policy.Snapshot(
-            nodes=[fleet.node_state(n) for n in nodes], rtt=fleet.rtt_by_code, now=fleet.env.now
-        )
+        states = [fleet.node_state(n) for n in fleet.candidates[city]]
+        snapshot = router_policy.Snapshot(nodes=states, rtt=fleet.rtt_by_code, now=fleet.env.now)
         session = req.prefix_key if req.prefix_key > 0 else None
         prev = self.last_node.get(session) if session else None
         features = router_policy.RequestFeatures(

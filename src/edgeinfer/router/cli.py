@@ -17,6 +17,8 @@ _POLICY_HELP = {
     "cold_load_s": "expected seconds to load a model that is not warm",
     "service_time_s": "mean seconds a request holds a slot (queue-wait estimate)",
     "prefill_tokens_per_s": "prefill speed for the uncached prompt estimate",
+    "wait_per_running_s": "queue wait each running request adds to a newcomer's first token",
+    "wait_per_queued_s": "queue wait each queued request adds to a newcomer's first token",
 }
 
 

@@ -19,7 +19,10 @@ Policy ("ttft"): candidates are the nodes that can serve the model, are not stal
 is chosen: the session's rendezvous-hash owner when the request has an affinity key and that node has
 headroom under the load bound, else the less loaded of two random choices; warm nodes before cold
 ones. Locations are then ranked by expected time to first token:
-    RTT + predicted queue wait + prefill of the uncached prompt + cold-load penalty (model not warm).
+    RTT + predicted queue wait + prefill of the uncached prompt + cold-load penalty (model not warm),
+the queue wait rising with every running and every queued request (a batch's step time grows with its size,
+and queued prompts are prefilled first), plus a slot wait once the node's slots are full. The prefill,
+cold-load and wait constants are per model (`PolicyConfig.models`), the global ones for models not listed.
 Nodes silent longer than `drop_after_s` are ignored altogether (the caller may also drop them).
 """
 
@@ -74,18 +77,44 @@ class RequestFeatures:
 
 
 @dataclass(frozen=True)
+class ModelCosts:
+    """One model's constants in the TTFT estimate (from a node profile: bench/fleet_profile.py)."""
+
+    prefill_tokens_per_s: float = 2000.0
+    cold_load_s: float = 5.0  # loading the model where it is not warm
+    service_time_s: float = 1.0  # mean time a request holds a slot, for the slot-wait estimate
+    # TTFT added by each request running on the node: the newcomer waits for the step in progress, whose
+    # time grows with the batch (on a CPU node the dominant term, long before the slots are full).
+    wait_per_running_s: float = 0.01
+    wait_per_queued_s: float = 0.05  # by each request queued ahead: its prefill runs first
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     """The policy's constants (docs/router.md explains how each was chosen)."""
 
     stale_after_s: float = 0.5  # 5 missed 10 Hz reports: treat as saturated
     drop_after_s: float = 3.0  # silent this long: the node is gone
+    # A model's costs when `models` does not list it (ModelCosts explains each).
     prefill_tokens_per_s: float = 2000.0
-    service_time_s: float = 1.0  # mean time a request holds a slot, for the queue-wait estimate
-    cold_load_s: float = 5.0  # loading a model the node has not got warm
+    service_time_s: float = 1.0
+    cold_load_s: float = 5.0
+    wait_per_running_s: float = 0.01
+    wait_per_queued_s: float = 0.05
+    models: Mapping[str, ModelCosts] = field(default_factory=dict)  # model name -> its costs
     busy_queue_depth: int = 16  # a node with this many waiting is over the threshold
     busy_kv_usage: float = 0.95
     affinity_load_bound: float = 1.25  # bounded-load factor c: owner kept while load <= c x mean
     retry_after_s: float = 1.0
+
+    def costs(self, model: str) -> ModelCosts:
+        listed = self.models.get(model)
+        if listed is not None:
+            return listed
+        return ModelCosts(
+            self.prefill_tokens_per_s, self.cold_load_s, self.service_time_s,
+            self.wait_per_running_s, self.wait_per_queued_s,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -161,19 +190,31 @@ def is_busy(node: NodeState, now: float, config: PolicyConfig) -> bool:
 
 
 def estimate(
-    snapshot: Snapshot, request: RequestFeatures, node: NodeState, config: PolicyConfig
+    snapshot: Snapshot,
+    request: RequestFeatures,
+    node: NodeState,
+    config: PolicyConfig,
+    costs: ModelCosts | None = None,
 ) -> Candidate:
-    """Expected time to first token on `node`, by part."""
+    """Expected time to first token on `node`, by part (`costs`: config.costs(request.model), passed in
+    by callers that estimate many nodes for one request)."""
+    costs = costs or config.costs(request.model)
     rtt = snapshot.rtt(request.client_location, node.location)
-    # Requests beyond the free slots wait for running ones to finish, `capacity` at a time.
-    excess = node.in_flight + 1 - node.capacity
-    wait = max(0, excess) / max(1, node.capacity) * config.service_time_s
+    capacity = max(1, node.capacity)
+    # Every request on the node slows the newcomer's first token; beyond the free slots it also waits for
+    # running ones to finish, `capacity` at a time.
+    excess = max(0, node.in_flight + 1 - capacity)
+    wait = (
+        node.running * costs.wait_per_running_s
+        + node.queue_depth * costs.wait_per_queued_s
+        + excess / capacity * costs.service_time_s
+    )
     uncached = max(0, request.prompt_tokens - request.cached_tokens.get(node.node_id, 0))
-    prefill = uncached / config.prefill_tokens_per_s
+    prefill = uncached / costs.prefill_tokens_per_s
     cold = 0.0
     if request.model not in node.models_warm:
         # A load already under way is, on average, half done.
-        cold = config.cold_load_s / 2 if request.model in node.models_loading else config.cold_load_s
+        cold = costs.cold_load_s / 2 if request.model in node.models_loading else costs.cold_load_s
     return Candidate(node.node_id, node.location, rtt + wait + prefill + cold, rtt, wait, prefill, cold)
 
 
@@ -197,19 +238,21 @@ def _rank(
     by_location: dict[str, list[NodeState]] = {}
     for node in sorted(usable, key=lambda n: n.node_id):
         by_location.setdefault(node.location, []).append(node)
+    costs = config.costs(request.model)
     if strategy == "least_loaded":
         # The baseline ignores distance: the least loaded warm node anywhere, then the rest.
         order = sorted(usable, key=lambda n: (request.model not in n.models_warm, n.load, n.node_id))
-        return [estimate(snapshot, request, n, config) for n in order]
+        return [estimate(snapshot, request, n, config, costs) for n in order]
     firsts = [_pick_in_location(nodes, request, rng, config) for nodes in by_location.values()]
     if strategy == "nearest":
         key = lambda c: (c.rtt_s, c.location)  # noqa: E731
     else:
         key = lambda c: (c.expected_ttft_s, c.rtt_s, c.location)  # noqa: E731
     first_ids = {n.node_id for n in firsts}
-    heads = sorted((estimate(snapshot, request, n, config) for n in firsts), key=key)
+    heads = sorted((estimate(snapshot, request, n, config, costs) for n in firsts), key=key)
     rest = sorted(
-        (estimate(snapshot, request, n, config) for n in usable if n.node_id not in first_ids), key=key
+        (estimate(snapshot, request, n, config, costs) for n in usable if n.node_id not in first_ids),
+        key=key,
     )
     return heads + rest
 

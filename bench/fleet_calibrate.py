@@ -1,0 +1,309 @@
+"""Calibrate the fleet simulator against the real loopback fleet: predicted vs measured TTFT and E2E.
+
+1. A tiny Llama checkpoint is written and profiled on this machine (bench/fleet_profile.py, one thread,
+   process CPU time; `--wall-clock-profile` times it by the wall clock instead, contention included).
+2. `edgeinfer fleet up --locations 3 --emulate-rtt` starts NATS, a node and a router per location (FRA, AMS,
+   LHR) with that model.
+3. For each load level the arrivals of `scenarios/loopback-3.toml` at that rate are drawn by the simulator's
+   demand model and replayed against the fleet: each request goes to the router of its client's location
+   (`x-client-location`), streaming, with the drawn prompt (random words) and output length (`ignore_eos`).
+   Before the load levels, sequential requests on the idle fleet measure what serving adds to the engine's
+   times (HTTP, the router's proxying, tokenizing, SSE): the `served` profile is the engine profile plus
+   that per first token (prefill overhead) and per further token (step base).
+4. The simulator replays the same arrivals, with the prompt lengths the nodes reported, through the same
+   scenario with the served and with the engine-only profile; predicted and measured p50/p99 go to
+   docs/fleet.md.
+
+    .venv/bin/python bench/fleet_calibrate.py [--rates 2 8] [--duration-s 60] [--repeat 2] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from edgeinfer.bench.client import RequestSpec, build_payload, send_request
+from edgeinfer.fleet.sim_demand import Arrivals, generate
+from edgeinfer.fleet.sim_fleet import rtt_matrix
+from edgeinfer.fleet.sim_profile import load_profile, parse_profile
+from edgeinfer.fleet.sim_run import build_locations, run_policy
+from edgeinfer.fleet.sim_scenario import load_scenario
+from edgeinfer.fleet.up import SITES
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).parent))
+from docs_table import replace_section  # noqa: E402
+from fleet_profile import measure  # noqa: E402
+from helpers.tiny_models import CORPUS, make_tiny  # noqa: E402
+
+MODEL = "tiny"
+WORDS = sorted({w for line in CORPUS for w in re.findall(r"[a-z]+", line.lower())})
+NODE_ARGS = ["--threads", "1", "--max-num-seqs", "16", "--kv-cache-memory", "64MiB"]
+NODE_ARGS += ["--memory-budget", "256MiB"]
+
+
+def scenario_for(profile_path: Path, rate: float, duration_s: float):
+    """loopback-3.toml with the fleet-up sites, the tiny model's profile, and the given rate."""
+    sc = load_scenario("loopback-3.toml")
+    weights = {site["code"]: site["population"] for site in sc.locations.sites}
+    sites = tuple(
+        {"code": code, "lat": lat, "lon": lon, "population": weights.get(code, 1), "region": "EU"}
+        for code, lat, lon in SITES[:3]
+    )
+    model = replace(sc.models[0], name=MODEL, profile=f"{MODEL}-fp32")
+    return replace(
+        sc,
+        base_dir=profile_path.parent,
+        duration_s=duration_s,
+        policies=("router",),
+        locations=replace(sc.locations, sites=sites),
+        models=(model,),
+        demand=replace(sc.demand, requests_per_s=rate),
+        nodes=replace(sc.nodes, profile=profile_path.name, max_batch=16),
+    )
+
+
+class LoopbackFleet:
+    """`edgeinfer fleet up` as a child process; `urls` maps location code -> router URL."""
+
+    def __init__(self, model_dir: Path, workdir: Path) -> None:
+        cmd = [sys.executable, "-m", "edgeinfer.cli", "fleet", "up", "--locations", "3", "--emulate-rtt"]
+        cmd += ["--model", f"{MODEL}={model_dir}", "--workdir", str(workdir)]
+        cmd += [f"--node-arg={a}" for a in NODE_ARGS]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        self.urls: dict[str, str] = {}
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            found = re.match(r"(\w{3})\s+router (\S+)", line)
+            if found:
+                self.urls[found[1]] = found[2]
+            if line.startswith("fleet file and logs"):
+                return
+        raise RuntimeError(f"fleet up exited with {self.proc.wait()} before it was ready")
+
+    def stop(self) -> None:
+        """Ctrl-C to `fleet up` (it stops routers, nodes, NATS); its whole process group if it hangs."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def scenario_rtt_s(profile_path: Path) -> float:
+    """The RTT from the first site to itself (its last mile), as the simulator charges it."""
+    sc = scenario_for(profile_path, 1.0, 1.0)
+    return float(rtt_matrix(build_locations(sc), sc.network.path_inflation, sc.network.last_mile_ms)[0, 0])
+
+
+def prompt_text(tokens: int, rng: random.Random) -> str:
+    """Random corpus words, about one token each: no two prompts share a cacheable prefix."""
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, tokens)))
+
+
+async def replay(arrivals: Arrivals, codes: list[str], urls: dict[str, str], seed: int) -> list:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(i: int):
+            await asyncio.sleep(max(0.0, start + float(arrivals.time[i]) - time.perf_counter()))
+            code = codes[int(arrivals.city[i])]
+            spec = RequestSpec(prompt_text(int(arrivals.prompt[i]), rng), int(arrivals.output[i]), 0)
+            payload = build_payload("/v1/completions", MODEL, spec)
+            url = urls[code] + "/v1/completions"
+            return await send_request(client, url, payload, spec, {"x-client-location": code})
+
+        return await asyncio.gather(*(one(i) for i in range(len(arrivals))))
+
+
+async def _probe(url: str, code: str, tokens: int, count: int) -> list:
+    rng = random.Random(0)
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        records = []
+        for _ in range(count):
+            spec = RequestSpec(prompt_text(128, rng), tokens, 0)
+            payload = build_payload("/v1/completions", MODEL, spec)
+            headers = {"x-client-location": code}
+            records.append(await send_request(client, url + "/v1/completions", payload, spec, headers))
+        return [r for r in records if r.ok]
+
+
+def served_profile(fleet: LoopbackFleet, profile: dict, rtt_s: float, count: int = 8) -> dict:
+    """The engine profile plus what serving adds on an idle fleet (HTTP, router, tokenizer, SSE): the
+    median extra time to the first token joins the prefill overhead, the median extra per further token
+    the decode step's base. Measured by sequential requests, before and apart from the load levels."""
+    code = SITES[0][0]
+    entry = profile["models"][f"{MODEL}-fp32"]
+    engine = parse_profile(profile).model(f"{MODEL}-fp32")
+    short = asyncio.run(_probe(fleet.urls[code], code, 1, count))
+    long = asyncio.run(_probe(fleet.urls[code], code, 65, count))
+    first = [r.ttft - rtt_s - engine.prefill_s(r.prompt_tokens) for r in short]
+    per_token = [(r.e2e - r.ttft) / 64 - engine.step_s(1, r.prompt_tokens + 32) for r in long]
+    extra_first, extra_token = float(np.median(first)), float(np.median(per_token))
+    served = {
+        **entry,
+        "prefill_overhead_ms": round(entry["prefill_overhead_ms"] + 1000 * max(0.0, extra_first), 3),
+        "step_base_ms": round(entry["step_base_ms"] + 1000 * max(0.0, extra_token), 3),
+    }
+    return {
+        **profile,
+        "models": {f"{MODEL}-fp32": served},
+        "serving_ms": (1000 * extra_first, 1000 * extra_token),
+    }
+
+
+def measured_arrivals(arrivals: Arrivals, records: list) -> tuple[Arrivals, np.ndarray]:
+    """The replayed arrivals with the prompt lengths the nodes counted; `ok` marks served requests."""
+    ok = np.array([r.ok and r.output_tokens > 0 for r in records])
+    prompt = np.array(
+        [r.prompt_tokens if r.prompt_tokens else p for r, p in zip(records, arrivals.prompt, strict=True)]
+    )
+    zeros = np.zeros(len(arrivals), dtype=np.int64)
+    return replace(arrivals, prompt=prompt.astype(np.int64), prefix_key=zeros, prefix_len=zeros), ok
+
+
+def pct(values: np.ndarray, q: float) -> float:
+    values = values[~np.isnan(values)]
+    return float(np.percentile(values, q) * 1000) if len(values) else float("nan")
+
+
+def one_level(
+    fleet: LoopbackFleet, profiles: dict[str, Path], rate: float, duration_s: float, seed: int
+) -> dict:
+    """Replay one load level; predict it with each profile (`served`, `engine`)."""
+    sc = replace(scenario_for(profiles["served"], rate, duration_s), seed=seed)
+    locations = build_locations(sc)
+    arrivals = generate(sc, locations, np.random.default_rng(seed))
+    codes = [loc.code for loc in locations]
+    load_before = os.getloadavg()[0]
+    records = asyncio.run(replay(arrivals, codes, fleet.urls, seed))
+    load_after = os.getloadavg()[0]
+    replayed, ok = measured_arrivals(arrivals, records)
+    row = {"rate": rate, "seed": seed, "requests": len(arrivals), "failed": int((~ok).sum())}
+    row["errors"] = sorted({r.error[:120] for r in records if not r.ok})[:3]
+    real = {
+        "ttft": np.array([r.ttft if r.ok else np.nan for r in records]),
+        "e2e": np.array([r.e2e if r.ok else np.nan for r in records]),
+    }
+    for name, real_values in real.items():
+        for q in (50, 99):
+            row[f"{name}_p{q}_measured"] = pct(real_values, q)
+    for label, path in profiles.items():
+        sc_label = replace(sc, base_dir=path.parent, nodes=replace(sc.nodes, profile=path.name))
+        rec = run_policy(
+            sc_label, load_profile(path), locations, replayed, "router", progress=False
+        ).fleet.records
+        for name, sim in (("ttft", rec.ttft), ("e2e", rec.e2e)):
+            for q in (50, 99):
+                row[f"{name}_p{q}_{label}"] = pct(sim[ok], q)
+    row["load"] = (load_before, load_after)
+    return row
+
+
+def table(rows: list[dict], profile: dict, served: dict, args: argparse.Namespace) -> str:
+    entry = profile["models"][f"{MODEL}-fp32"]
+    clock = profile["source"].split(", ", 1)[1]
+    first_ms, token_ms = served["serving_ms"]
+    rates = " ".join(f"{r:g}" for r in args.rates)
+    lines = [
+        "### Calibration: loopback fleet vs simulator",
+        "",
+        f"Machine: {profile['device']}; engine profile of the tiny Llama ({clock}, one thread): prefill "
+        f"{entry['prefill_tok_s']:.0f} tok/s + {entry['prefill_overhead_ms']:.2f} ms, step "
+        f"{entry['step_base_ms']:.3f} + {entry['step_per_seq_ms']:.3f} × batch + "
+        f"{entry['step_per_kctx_ms']:.3f} × kctx ms. Serving on the idle fleet added "
+        f"{first_ms:.1f} ms to the first token and {token_ms:.2f} ms per further token "
+        "(the `served` profile adds them).",
+        f"Command: `.venv/bin/python bench/fleet_calibrate.py --rates {rates} "
+        f"--duration-s {args.duration_s:g} --repeat {args.repeat} --write-docs`",
+        "",
+        "ms, measured / predicted with the served profile; error = predicted / measured − 1; the last column "
+        "predicts p50 TTFT / E2E with the engine-only profile.",
+        "",
+        "| req/s | run | requests | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | p50 error TTFT, E2E "
+        "| engine-only p50 TTFT / E2E | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(rows):
+
+        def pair(name: str, r: dict = r) -> str:
+            return f"{r[name + '_measured']:.0f} / {r[name + '_served']:.0f}"
+
+        def err(name: str, r: dict = r) -> str:
+            return f"{100 * (r[name + '_served'] / r[name + '_measured'] - 1):+.0f} %"
+
+        lines.append(
+            f"| {r['rate']:g} | {i % args.repeat + 1} | {r['requests']} ({r['failed']} failed) "
+            f"| {pair('ttft_p50')} | {pair('ttft_p99')} | {pair('e2e_p50')} | {pair('e2e_p99')} "
+            f"| {err('ttft_p50')}, {err('e2e_p50')} | {r['ttft_p50_engine']:.0f} / {r['e2e_p50_engine']:.0f} "
+            f"| {r['load'][0]:.1f} → {r['load'][1]:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0])
+    ap.add_argument("--duration-s", type=float, default=60.0)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--wall-clock-profile", action="store_true", help="profile by wall clock, not CPU time")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="fleet-calibrate-") as tmp:
+        work = Path(tmp)
+        model_dir = make_tiny("llama", work / "tiny", max_position_embeddings=4096)
+        profile = measure(MODEL, str(model_dir), ["fp32"], wall=args.wall_clock_profile)
+        profile_path = work / "profile.json"
+        profile_path.write_text(json.dumps(profile))
+        fleet = LoopbackFleet(model_dir, work / "fleet")
+        rows = []
+        try:
+            rtt_s = scenario_rtt_s(profile_path)
+            served = served_profile(fleet, profile, rtt_s)
+            served_path = work / "served" / "profile.json"
+            served_path.parent.mkdir()
+            served_path.write_text(json.dumps(served))
+            print("serving adds (first token, per token) ms:", served["serving_ms"], flush=True)
+            profiles = {"served": served_path, "engine": profile_path}
+            for rate in args.rates:
+                for rep in range(args.repeat):
+                    rows.append(one_level(fleet, profiles, rate, args.duration_s, seed=1 + rep))
+                    print(json.dumps(rows[-1]), flush=True)
+        finally:
+            fleet.stop()
+    body = table(rows, profile, served, args)
+    print(body)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.write_docs:
+        replace_section(ROOT / "docs/fleet.md", "fleet-calibration", body)
+
+
+if __name__ == "__main__":
+    main()
