@@ -270,9 +270,13 @@ def main() -> None:
 
     loads = [os.getloadavg()[0]]
     path = str(resolve_default_embedding_model())
+    # Passes capped at 2048 tokens (the default) and, to show why, one pass for the whole batch.
+    variants = [("bfloat16", "grouped", 2048), ("float32", "grouped", 2048), ("bfloat16", "grouped", 1 << 20)]
     embedders = {
-        f"{dtype}, {attention} attention": Embedder(EmbeddingConfig(path, dtype=dtype, attention=attention))
-        for dtype, attention in (("bfloat16", "grouped"), ("float32", "grouped"), ("bfloat16", "masked"))
+        f"{dtype}, {attention} attention, passes of ≤ {cap} tokens": Embedder(
+            EmbeddingConfig(path, dtype=dtype, attention=attention, max_pass_tokens=cap)
+        )
+        for dtype, attention, cap in variants
     }
     st_models = {
         "float32": SentenceTransformer(path, device="cpu"),

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers.embeddings import varied_texts
 
 from edgeinfer.engine.embedding.config import EmbeddingConfig
-from edgeinfer.engine.embedding.embedder import Embedder
+from edgeinfer.engine.embedding.embedder import Embedder, split_by_tokens
 from edgeinfer.engine.model import bert
 
 
@@ -58,3 +58,12 @@ def test_masked_attention_equals_grouped(
     ids = embedder_fp32.tokenize(varied_texts()[-25:])
     assert len(bert.block_diagonal_chunks(sorted(map(len, ids)), torch.device("cpu"))) >= 3
     torch.testing.assert_close(masked.embed(ids), embedder_fp32.embed(ids), atol=2e-6, rtol=0)
+
+
+def test_passes_capped_by_tokens_equal_one_pass(minilm: Path, embedder_fp32: Embedder) -> None:
+    capped = Embedder(EmbeddingConfig(model=str(minilm), dtype="float32", max_pass_tokens=300))
+    ids = embedder_fp32.tokenize(varied_texts()[-25:])
+    chunks = split_by_tokens(range(len(ids)), [len(x) for x in ids], 300)
+    assert len(chunks) >= 3 and all(sum(len(ids[i]) for i in c) <= 300 or len(c) == 1 for c in chunks)
+    uncapped = Embedder(EmbeddingConfig(model=str(minilm), dtype="float32", max_pass_tokens=1 << 20))
+    torch.testing.assert_close(capped.embed(ids), uncapped.embed(ids), atol=2e-6, rtol=0)

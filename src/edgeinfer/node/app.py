@@ -11,7 +11,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from edgeinfer import __version__
-from edgeinfer.node import error_handlers, routes_embeddings, routes_openai, routes_ops, routes_workers_ai
+from edgeinfer.node import (
+    error_handlers,
+    openapi_schema,
+    routes_embeddings,
+    routes_openai,
+    routes_ops,
+    routes_workers_ai,
+)
 from edgeinfer.node.config import NodeConfig
 from edgeinfer.node.files import load_table
 from edgeinfer.node.fleet_status import StatusPublisher
@@ -110,6 +117,7 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
     error_handlers.install(app)
     for module in (routes_openai, routes_embeddings, routes_workers_ai, routes_ops):
         app.include_router(module.router)
+    openapi_schema.install(app, open_node=config.tenants_file is None)
     app.add_middleware(
         NodeMiddleware,
         metrics=metrics,

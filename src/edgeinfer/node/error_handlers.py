@@ -45,4 +45,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     else:
         code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout"}.get(exc.status_code)
         error = ApiError(exc.status_code, str(exc.detail), code=code)
-    return error.response(request.url.path)
+    response = error.response(request.url.path)
+    # Starlette's 405 names the route's methods in Allow (RFC 9110 requires it).
+    response.headers.update(exc.headers or {})
+    return response

@@ -76,7 +76,12 @@ async def prefetch(request: Request) -> JSONResponse:
     return JSONResponse({"model": name, "state": state}, status_code=202)
 
 
-@router.get("/metrics", tags=["ops"])
+@router.get(
+    "/metrics",
+    tags=["ops"],
+    responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+    response_class=Response,
+)
 async def metrics(request: Request) -> Response:
     # Rendering reads engine stats, which wait for a running model step: keep it off the event loop.
     body = await asyncio.to_thread(request.app.state.service.metrics.render)

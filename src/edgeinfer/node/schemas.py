@@ -135,6 +135,20 @@ class WorkersAIRunRequest(_RequestBody):
     """POST /accounts/{account_id}/ai/run/{model}: text generation with `prompt` or `messages`, or text
     embeddings with `text` (which one the model decides)."""
 
+    # Exactly one of the three, not null (a null field counts as absent).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": [name], "properties": {name: schema}}
+                for name, schema in (
+                    ("prompt", {"type": "string"}),
+                    ("messages", {"type": "array"}),
+                    ("text", {"type": ["string", "array"]}),
+                )
+            ]
+        }
+    )
+
     text: str | list[str] | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)

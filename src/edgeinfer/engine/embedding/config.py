@@ -23,12 +23,13 @@ class EmbeddingConfig:
     device: str = "cpu"
     max_batch_tokens: int = 8192
     max_batch_size: int = 512
+    max_pass_tokens: int = 2048
     batch_window_ms: float = 2.0
     attention: str = "grouped"
 
     def __post_init__(self) -> None:
-        if self.max_batch_tokens < 1 or self.max_batch_size < 1:
-            raise ValueError("max_batch_tokens and max_batch_size must be >= 1")
+        if min(self.max_batch_tokens, self.max_batch_size, self.max_pass_tokens) < 1:
+            raise ValueError("max_batch_tokens, max_batch_size and max_pass_tokens must be >= 1")
         if self.batch_window_ms < 0:
             raise ValueError("batch_window_ms must be >= 0")
         if self.attention not in ATTENTION_MODES:

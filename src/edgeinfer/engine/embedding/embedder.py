@@ -65,14 +65,35 @@ class Embedder:
         """[n, dim] fp32 vectors, in the order of `inputs` (each non-empty, at most max_seq_length)."""
         if not inputs:
             return torch.empty(0, self.dim)
-        # Sorted by length so that equal lengths are adjacent (grouped attention); unsorted at the end.
+        # Sorted by length so that equal lengths are adjacent (grouped attention) and each pass holds
+        # similar lengths; unsorted at the end.
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
-        batch = PackedBatch.build([inputs[i] for i in order], self.device)
-        hidden = self.model(batch)
-        vectors = pool(hidden, batch.lengths, self.sentence.pooling, self.sentence.normalize)
+        parts = [
+            self._embed_sorted([inputs[i] for i in chunk])
+            for chunk in split_by_tokens(order, [len(x) for x in inputs], self.config.max_pass_tokens)
+        ]
+        vectors = torch.cat(parts)
         out = torch.empty_like(vectors)
         out[torch.tensor(order, device=vectors.device)] = vectors
         return out.cpu()
 
+    def _embed_sorted(self, sorted_inputs: list[Sequence[int]]) -> torch.Tensor:
+        batch = PackedBatch.build(sorted_inputs, self.device)
+        hidden = self.model(batch)
+        return pool(hidden, batch.lengths, self.sentence.pooling, self.sentence.normalize)
+
     def memory_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def split_by_tokens(order: Sequence[int], lengths: Sequence[int], cap: int) -> list[list[int]]:
+    """Consecutive runs of `order` holding at most `cap` tokens each (an input longer than `cap` alone)."""
+    chunks: list[list[int]] = []
+    tokens = cap + 1
+    for i in order:
+        if tokens + lengths[i] > cap:
+            chunks.append([])
+            tokens = 0
+        chunks[-1].append(i)
+        tokens += lengths[i]
+    return chunks
