@@ -7,7 +7,7 @@ import signal
 import time
 
 import httpx
-from conftest import NodeProcesses
+from helpers.node_servers import NodeProcesses
 
 from edgeinfer.node.metering import STATUS_INTERRUPTED, UsageStore
 
