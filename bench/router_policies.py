@@ -281,8 +281,8 @@ def render(
             "strategies taking turns (order reversed each round) after 3 s of light warm-up each. "
             "TTFT = request sent to the first body byte at the client (emulated RTT "
             "included); rejected = the router's 429 (every candidate over `--busy-queue-depth`).",
-            f"Command: `python bench/router_policies.py --seconds {args.seconds:.0f} --rounds {args.rounds} "
-            "--write docs/benchmarks.md`",
+            f"Command: `python bench/router_policies.py --seconds {args.seconds:g} --rounds {args.rounds} "
+            f"--load {args.load:g} --skew {args.skew:g} --write docs/benchmarks.md`",
             "",
             "| strategy | requests | answered | rejected | failed | TTFT p50 / p99 ms "
             "| FRA clients sent away |",
