@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import httpx
-from conftest import RouterThread
+from helpers.router_fleet import RouterThread
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgeinfer.router.config import RouterConfig

@@ -8,9 +8,18 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
-from conftest import KEYS, SECRET, LoopbackFleet, NodeProc, RouterThread, free_port, node_args, write_tenants
 from fleet_client import ALICE, metric, node_status
 from helpers.embeddings import minilm_dir
+from helpers.router_fleet import (
+    KEYS,
+    SECRET,
+    LoopbackFleet,
+    NodeProc,
+    RouterThread,
+    free_port,
+    node_args,
+    write_tenants,
+)
 
 from edgeinfer.fleet.nats_server import start_nats
 from edgeinfer.router.config import RouterConfig
@@ -153,3 +162,7 @@ def test_embeddings_need_a_key_and_reach_the_node_as_the_tenant(router: RouterTh
     assert usage("alice")["input_tokens"] > 0
     assert usage("bob")["requests"] == 0  # the forged header was stripped; the router signed alice
     assert metric(router.url, "edgeinfer_router:routed_requests_total", node="ams-e", outcome="200") >= 1
+    # The router's own share of the time to first byte is part of, and below, arrival-to-first-byte.
+    added = metric(router.url, "edgeinfer_router:added_latency_seconds_sum")
+    assert metric(router.url, "edgeinfer_router:added_latency_seconds_count") >= 1
+    assert 0 < added < metric(router.url, "edgeinfer_router:first_byte_seconds_sum")
