@@ -2,33 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-import uvicorn
-from helpers.node_engine import TEST_ENGINE
+from helpers.node_servers import LiveServer, NodeFactory, NodeProcesses
 from helpers.tiny_models import make_tiny
 
-from edgeinfer.engine.config import EngineConfig
-from edgeinfer.node.app import create_app
-from edgeinfer.node.config import ConnectionLimits, NodeConfig, NodeLimits
 from edgeinfer.node.keys import hash_key
-from edgeinfer.node.server import uvicorn_config
-from edgeinfer.node.service import NodeService
-from edgeinfer.pool.loader import EngineLoader
-from edgeinfer.pool.manager import ModelPool
-from edgeinfer.pool.spec import LOCAL, UPSTREAM, MemberSpec
 
 
 @pytest.fixture(scope="session")
@@ -40,104 +22,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_llama_b_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A second tiny model with other weights, for pool tests."""
     return str(make_tiny("llama", tmp_path_factory.mktemp("node-tiny-b") / "llama-b", seed=1))
-
-
-class LiveServer:
-    """A uvicorn server on a free loopback port, running in a thread with its own event loop."""
-
-    def __init__(self, app: Any, service: NodeService) -> None:
-        self.service = service
-        config = uvicorn_config(app, app.state.node_config, "127.0.0.1", 0, log_level="warning")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="test-node", daemon=True)
-        self.url = ""
-
-    def start(self, timeout: float = 60.0) -> LiveServer:
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("test node server did not start")
-            time.sleep(0.01)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(30)
-
-    def shrink_send_buffers(self, size: int = 4096) -> int:
-        """Give every open connection a small kernel send buffer, as a slow network would (loopback's
-        autotuned buffers take megabytes before a writer notices that nobody reads). Returns how many."""
-        connections = list(self._server.server_state.connections)
-        for protocol in connections:
-            protocol.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-        return len(connections)
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-    def engine(self, model: str) -> Any:
-        return self.service.pool.residents()[model].engine
-
-    def wait_idle(self, model: str, timeout: float = 10.0) -> None:
-        """Until the engine has nothing running or waiting (aborts are applied by its loop)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.engine(model).stats()
-            if stats.num_running == 0 and stats.num_waiting == 0:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"engine {model} still busy: {stats}")
-            time.sleep(0.02)
-
-
-@dataclasses.dataclass
-class NodeFactory:
-    tmp_path: Path
-    servers: list[LiveServer] = dataclasses.field(default_factory=list)
-
-    def __call__(
-        self,
-        models: dict[str, str],
-        *,
-        upstreams: dict[str, str] | None = None,
-        upstream_tokenizers: dict[str, str] | None = None,
-        aliases: dict[str, tuple[str, ...]] | None = None,
-        tenants: list[dict[str, Any]] | None = None,
-        budget: int | None = None,
-        preload: tuple[str, ...] = (),
-        engine: EngineConfig = TEST_ENGINE,
-        connections: ConnectionLimits | None = None,
-        trusted_proxies: tuple[str, ...] = (),
-        usage_checkpoint_s: float = 1.0,
-        **limits: int,
-    ) -> LiveServer:
-        specs = [MemberSpec(n, LOCAL, p, (aliases or {}).get(n, ())) for n, p in models.items()]
-        tokenizers = upstream_tokenizers or {}
-        specs += [
-            MemberSpec(n, UPSTREAM, u, tokenizer=tokenizers.get(n)) for n, u in (upstreams or {}).items()
-        ]
-        tenants_file = None
-        if tenants is not None:
-            tenants_file = self.tmp_path / f"tenants-{len(self.servers)}.json"
-            tenants_file.write_text(json.dumps({"tenants": tenants}))
-        config = NodeConfig(
-            limits=NodeLimits(**limits),
-            connections=connections or ConnectionLimits(),
-            trusted_proxies=trusted_proxies,
-            usage_checkpoint_s=usage_checkpoint_s,
-            tenants_file=str(tenants_file) if tenants_file else None,
-            usage_db=str(self.tmp_path / f"usage-{len(self.servers)}.sqlite"),
-            preload=preload,
-        )
-        pool = ModelPool(specs, EngineLoader(engine), budget_bytes=budget)
-        app = create_app(config, pool)
-        server = LiveServer(app, app.state.service).start()
-        self.servers.append(server)
-        return server
 
 
 @pytest.fixture
@@ -164,47 +48,6 @@ def tenant_entry(name: str, key: str, **limits: int) -> dict[str, Any]:
 @pytest.fixture
 def make_tenant() -> Callable[..., dict[str, Any]]:
     return tenant_entry
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class NodeProcesses:
-    """`python -m edgeinfer.node ...` as separate processes, stopped together."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, *args: str, timeout: float = 90.0) -> str:
-        """Start one; returns its base URL once /ready answers 200."""
-        port = free_port()
-        log_path = self.workdir / f"proc-{port}.log"
-        cmd = [sys.executable, "-m", "edgeinfer.node", "--port", str(port), *args]
-        cmd += ["--usage-db", str(self.workdir / f"proc-{port}.sqlite"), "--no-access-log"]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-        self.procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(log_path.read_text())
-            try:
-                if httpx.get(url + "/ready", timeout=1.0).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"node process did not become ready: {log_path.read_text()}")
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-            proc.wait(30)
 
 
 @pytest.fixture(scope="module")

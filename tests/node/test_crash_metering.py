@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
-from conftest import NodeProcesses
+from helpers.node_servers import NodeProcesses
 
 from edgeinfer.node.metering import STATUS_INTERRUPTED, UsageStore
 

@@ -9,8 +9,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import LiveServer, NodeFactory
 from helpers.embeddings import minilm_dir
+from helpers.node_servers import LiveServer, NodeFactory
 
 MODEL = "minilm"
 ALIAS = "@cf/sentence-transformers/all-minilm-l6-v2"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port, tenant_entry
+from helpers.node_servers import free_port
 
 from edgeinfer.pool.upstream_stats import parse_metrics, parse_slots
 
@@ -104,11 +104,11 @@ def test_llama_server_queue_reaches_metrics_status_and_reject_if_busy(llama_serv
 
 
 def test_upstream_prompt_tokens_are_counted_by_the_models_tokenizer(
-    llama_server, default_gguf, node_factory
+    llama_server, default_gguf, node_factory, make_tenant
 ) -> None:
     """Digits and spaces are ~2 characters a token, so the length estimate (4 a token) admits a prompt
     that the tenant's tokens/min can never hold; counted by the model's tokenizer it is refused (400)."""
-    tenants = [tenant_entry("t", "key-t", tokens_per_minute=250)]
+    tenants = [make_tenant("t", "key-t", tokens_per_minute=250)]
     prompt = " ".join(str(i % 10) for i in range(300))
     body = {"model": "llama", "prompt": prompt, "max_tokens": 1}
     auth = {"authorization": "Bearer key-t"}

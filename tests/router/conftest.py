@@ -1,39 +1,15 @@
-"""A loopback fleet for the router tests: NATS, node processes (tiny models), routers in threads."""
+"""Fixtures of the router tests: tiny models and a loopback fleet (NATS, node processes); the classes live
+in helpers/router_fleet.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
-import uvicorn
+from helpers.router_fleet import LoopbackFleet, NodeProc, free_port, node_args, write_tenants
 from helpers.tiny_models import make_tiny
 
 from edgeinfer.fleet.nats_server import start_nats
-from edgeinfer.node.keys import hash_key
-from edgeinfer.router.app import create_router_app
-from edgeinfer.router.config import RouterConfig
-from edgeinfer.router.fleet_file import Fleet
-
-SECRET = b"router-test-secret-0123456789"
-KEYS = {"alice": "alice-key", "bob": "bob-key"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -44,132 +20,6 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         name: str(make_tiny("llama", root / name, seed=seed, max_position_embeddings=4096))
         for seed, name in enumerate(("tiny", "tiny-b", "tiny-c"))
     }
-
-
-@dataclass
-class NodeProc:
-    node_id: str
-    location: str
-    port: int
-    args: list[str]
-    log: Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "edgeinfer.node", "--port", str(self.port), *self.args]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(self.log.read_text())
-            try:
-                if httpx.get(self.url + "/ready", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"node {self.node_id} did not become ready: {self.log.read_text()}")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-@dataclass
-class LoopbackFleet:
-    workdir: Path
-    nats_url: str
-    nodes: dict[str, NodeProc] = field(default_factory=dict)
-    # In the fleet file from the start, started only by the breaker test: a node that is not there yet.
-    late: dict[str, NodeProc] = field(default_factory=dict)
-
-    def fleet(self, rtt_ms: dict[str, float] | None = None) -> Fleet:
-        from edgeinfer.router.fleet_file import parse_fleet
-
-        coords = {"FRA": (50.03, 8.57), "AMS": (52.31, 4.76), "SIN": (1.36, 103.99)}
-        locations = []
-        for code, (lat, lon) in coords.items():
-            nodes = [*self.nodes.values(), *self.late.values()]
-            members = [{"id": n.node_id, "url": n.url} for n in nodes if n.location == code]
-            locations.append({"code": code, "lat": lat, "lon": lon, "nodes": members})
-        return parse_fleet({"locations": locations, "rtt_ms": rtt_ms or {}})
-
-
-class RouterThread:
-    """A router app under uvicorn in a thread of the test process (its state is inspectable)."""
-
-    def __init__(self, config: RouterConfig, fleet: Fleet) -> None:
-        self.app = create_router_app(config, fleet)
-        server_config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning")
-        self._server = uvicorn.Server(server_config)
-        self._thread = threading.Thread(target=self._server.run, name="test-router", daemon=True)
-        self.url = ""
-
-    def start(self, timeout: float = 30.0) -> RouterThread:
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("router did not start")
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self._server.servers[0].sockets[0].getsockname()[1]}"
-        return self
-
-    @property
-    def service(self) -> Any:
-        return self.app.state.service
-
-    def wait_for_nodes(self, node_ids: set[str], timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            seen = {n.node_id for n in self.service.state.snapshot().nodes}
-            if node_ids <= seen:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"router never heard from {node_ids - seen}")
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(20)
-
-
-def write_tenants(workdir: Path) -> Path:
-    path = workdir / "tenants.json"
-    path.write_text(
-        json.dumps({"tenants": [{"name": n, "key_sha256": hash_key(k)} for n, k in KEYS.items()]})
-    )
-    return path
-
-
-def node_args(workdir: Path, node_id: str, location: str, nats_url: str, models: dict[str, str]) -> list[str]:
-    secret_file = workdir / "secret"
-    secret_file.write_bytes(SECRET)
-    args = ["--node-id", node_id, "--location", location, "--nats-url", nats_url]
-    args += ["--tenants", str(workdir / "tenants.json"), "--router-secret-file", str(secret_file)]
-    args += ["--usage-db", str(workdir / f"{node_id}.sqlite"), "--no-access-log"]
-    # Two sequences per engine, so that a few long streams queue and saturate a node.
-    args += ["--dtype", "float32", "--kv-cache-memory", "4MiB", "--batch-window-ms", "0"]
-    args += ["--max-num-seqs", "2"]
-    for name, path in models.items():
-        args += ["--model", f"{name}={path}"]
-    return args
 
 
 @pytest.fixture(scope="module")

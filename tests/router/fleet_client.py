@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
-from conftest import KEYS, RouterThread
+from helpers.router_fleet import KEYS, RouterThread
 
 from edgeinfer.types.status import NodeStatus
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import KEYS, SECRET, LoopbackFleet, RouterThread, write_tenants
 from fleet_client import ALICE, ask, long_streams, metric, node_status, publishing, served_by, wait_until
+from helpers.router_fleet import KEYS, SECRET, LoopbackFleet, RouterThread, write_tenants
 
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.placement import PlacementConfig

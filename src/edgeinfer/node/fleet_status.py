@@ -14,6 +14,7 @@ import time
 
 from edgeinfer.node.config import NodeConfig
 from edgeinfer.pool.manager import ModelPool
+from edgeinfer.pool.member import EMBED
 from edgeinfer.types.status import STATUS_SUBJECT_PREFIX, NodeStatus
 
 logger = logging.getLogger("edgeinfer.node")
@@ -24,9 +25,12 @@ def node_status(config: NodeConfig, pool: ModelPool) -> NodeStatus:
     available: list[str] = []
     warm: list[str] = []
     loading: list[str] = []
+    embedding: list[str] = []
     for state in pool.states():
         names = (state.name, *state.aliases)
         available.extend(names)
+        if pool.task(state.name) == EMBED:  # read from the checkpoint's config once, then kept
+            embedding.extend(names)
         if state.state == "resident":
             warm.extend(names)
         elif state.state == "loading":
@@ -47,6 +51,7 @@ def node_status(config: NodeConfig, pool: ModelPool) -> NodeStatus:
         models_available=tuple(available),
         models_warm=tuple(warm),
         models_loading=tuple(loading),
+        models_embedding=tuple(embedding),
         queue_depth=waiting,
         running=running,
         kv_usage=round(kv_usage, 4),

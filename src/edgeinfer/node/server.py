@@ -18,6 +18,9 @@ def uvicorn_config(app: Any, config: NodeConfig, host: str, port: int, **options
         app,
         host=host,
         port=port,
+        # asyncio's loop even where uvloop is installed (for the router): the node's connection guard is an
+        # h11 protocol and its tests (send buffers, disconnects) are written against asyncio transports.
+        loop="asyncio",
         http=guarded_protocol(limits, frozenset(trusted)),
         timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works
         timeout_graceful_shutdown=limits.shutdown_grace_s,  # type: ignore[arg-type]

@@ -28,6 +28,13 @@ LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
+def histogram(
+    registry: CollectorRegistry, name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = ()
+) -> Histogram:
+    """One histogram in `registry` (the node's and the router's series are all made this way)."""
+    return Histogram(name, doc, list(labels), buckets=buckets, registry=registry)
+
+
 @dataclass(frozen=True)
 class EngineGauges:
     """A resident model's scheduler and cache state at scrape time (counters are cumulative per engine).
@@ -69,7 +76,7 @@ class NodeMetrics:
 
     def _histograms(self) -> None:
         def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["model"], buckets=buckets, registry=self.registry)
+            return histogram(self.registry, PREFIX + name, doc, buckets, ("model",))
 
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Gap between consecutive output tokens.", ITL_BUCKETS)
@@ -97,12 +104,12 @@ class NodeMetrics:
         self.embedding_inputs = Counter(
             PREFIX + "embedding_inputs", "Inputs embedded (texts or token-id lists).", ["model"], registry=r
         )
-        self.embedding_batch_size = Histogram(
+        self.embedding_batch_size = histogram(
+            r,
             PREFIX + "embedding_batch_size",
             "Inputs in each forward pass an embeddings request shared (observed once per pass per request).",
-            ["model"],
-            buckets=BATCH_BUCKETS,
-            registry=r,
+            BATCH_BUCKETS,
+            ("model",),
         )
         self.canary = Counter(
             PREFIX + "canary_events",
@@ -119,12 +126,8 @@ class NodeMetrics:
         self.model_evictions = Counter(
             PREFIX + "model_evictions", "Models evicted from the pool.", ["model"], registry=r
         )
-        self.model_load_time = Histogram(
-            PREFIX + "model_load_time_seconds",
-            "Time to load a model.",
-            ["model"],
-            buckets=LOAD_BUCKETS,
-            registry=r,
+        self.model_load_time = histogram(
+            r, PREFIX + "model_load_time_seconds", "Time to load a model.", LOAD_BUCKETS, ("model",)
         )
         self.model_resident_bytes = Gauge(
             PREFIX + "model_resident_bytes",

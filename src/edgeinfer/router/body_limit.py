@@ -1,7 +1,11 @@
 """Pure ASGI middleware (streams pass untouched): the node's request-body limit, enforced while the body
-is read, so an oversized body gets the node's 413 without being buffered or forwarded."""
+is read, so an oversized body gets the node's 413 without being buffered or forwarded. Being the first to
+see each request, it also stamps its arrival (`request.state.arrived`, monotonic seconds): the router's
+latency metrics start there, before the body is read and validated."""
 
 from __future__ import annotations
+
+import time
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -16,6 +20,7 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope.setdefault("state", {})["arrived"] = time.monotonic()
         declared = dict(scope.get("headers", [])).get(b"content-length", b"0")
         too_big = declared.isdigit() and int(declared) > self.max_body_bytes
         seen = 0

@@ -77,6 +77,16 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
     )
 
 
+def server_implementation() -> tuple[str, str]:
+    """uvloop and httptools (the `fast` extra) where installed: the router is all event loop and HTTP
+    parsing; otherwise asyncio's loop and h11, which behave the same, only slower."""
+    import importlib.util
+
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    return loop, http
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -85,5 +95,15 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_router_app(build_config(args), load_fleet(args.fleet))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per forwarded request otherwise
-    uvicorn.run(app, host=args.host, port=args.port, access_log=False, timeout_graceful_shutdown=10)
+    loop, http = server_implementation()
+    logging.getLogger("edgeinfer.router").info("event loop %s, HTTP parser %s", loop, http)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        loop=loop,
+        http=http,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
     return 0

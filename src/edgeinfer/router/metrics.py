@@ -5,16 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from edgeinfer.obs.metrics import TTFT_BUCKETS, histogram
 from edgeinfer.router.breaker import STATE_VALUES
 from edgeinfer.router.fleet_file import NodeEntry
 
 PREFIX = "edgeinfer_router:"
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
-FIRST_BYTE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 25.0, 50.0)
+# The router's own share: sub-millisecond when idle, up to seconds when retries or a saturated core add up.
+ADDED_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class RouterMetrics:
@@ -39,17 +41,19 @@ class RouterMetrics:
         self.retries = Counter(
             PREFIX + "retries", "Attempts on another node before the first byte.", registry=r
         )
-        self.decision = Histogram(
-            PREFIX + "decision_seconds",
-            "Time to rank the nodes for a request.",
-            buckets=DECISION_BUCKETS,
-            registry=r,
-        )
-        self.first_byte = Histogram(
+        self.decision = histogram(r, PREFIX + "decision_seconds", "Time to rank the nodes.", DECISION_BUCKETS)
+        self.first_byte = histogram(
+            r,
             PREFIX + "first_byte_seconds",
             "Arrival at the router to the node's response headers (retries included).",
-            buckets=FIRST_BYTE_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
+        )
+        self.added = histogram(
+            r,
+            PREFIX + "added_latency_seconds",
+            "Arrival to the response headers sent to the client, minus the answering node's own time "
+            "to its headers and minus emulated RTT: validation, decision, failed attempts, relaying.",
+            ADDED_BUCKETS,
         )
         r.register(_BreakerCollector(breaker_states))
 

@@ -12,14 +12,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
 from fastapi.responses import Response
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from edgeinfer.node.disconnect import ClientDisconnected, until_disconnect
 from edgeinfer.node.errors import ApiError, unavailable
@@ -58,6 +58,7 @@ class Forward:
     headers: dict[str, str]
     client_location: str
     started: float
+    emulated_s: float = 0.0  # time slept by --emulate-rtt, left out of the added latency
 
 
 class NodeAnswer(Exception):
@@ -112,13 +113,15 @@ class Forwarder:
 
     async def _attempt(self, view: NodeView, job: Forward) -> Response:
         entry = view.entry
-        await self._emulate_one_way(job.client_location, entry.location)
+        await self._emulate_one_way(job, job.client_location, entry.location)
         remaining = job.started + self.config.first_byte_timeout_s - time.monotonic()
         request = self.client.build_request(
             "POST", entry.url + job.path, content=job.body, headers=job.headers
         )
+        sent = time.monotonic()
         async with asyncio.timeout(max(0.0, remaining)):
             response = await self.client.send(request, stream=True)
+        node_s = time.monotonic() - sent
         headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
         if response.status_code == 429 or response.status_code >= 500:
             body = await response.aread()
@@ -130,28 +133,47 @@ class Forwarder:
             self.metrics.count(entry, str(response.status_code))
             raise NodeAnswer(response.status_code, body, headers)
         view.breaker.success()
-        await self._emulate_one_way(entry.location, job.client_location)
+        await self._emulate_one_way(job, entry.location, job.client_location)
         self.metrics.count(entry, str(response.status_code))
         self.metrics.first_byte.observe(time.monotonic() - job.started)
         headers.update({"x-edgeinfer-node": entry.node_id, "x-edgeinfer-location": entry.location})
-        return RelayResponse(response, view, headers)
 
-    async def _emulate_one_way(self, a: str, b: str) -> None:
+        def headers_sent() -> None:
+            self.metrics.added.observe(time.monotonic() - job.started - node_s - job.emulated_s)
+
+        return RelayResponse(response, view, headers, headers_sent)
+
+    async def _emulate_one_way(self, job: Forward, a: str, b: str) -> None:
         if self.config.emulate_rtt:
-            await asyncio.sleep(self.state.fleet.rtt(a, b) / 2)
+            delay = self.state.fleet.rtt(a, b) / 2
+            await asyncio.sleep(delay)
+            job.emulated_s += delay
 
 
 class RelayResponse(StreamingResponse):
     """Passes the node's body through chunk by chunk; closes the node's response however it ends
-    (closing it mid-stream drops that connection, which is how the node learns the client left)."""
+    (closing it mid-stream drops that connection, which is how the node learns the client left).
+    `on_start` runs when the response headers go to the client."""
 
-    def __init__(self, upstream: httpx.Response, view: NodeView, headers: dict[str, str]) -> None:
+    def __init__(
+        self,
+        upstream: httpx.Response,
+        view: NodeView,
+        headers: dict[str, str],
+        on_start: Callable[[], None],
+    ) -> None:
         super().__init__(_chunks(upstream, view), status_code=upstream.status_code, headers=headers)
         self._upstream = upstream
+        self._on_start = on_start
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def watched(message: Message) -> None:
+            await send(message)
+            if message["type"] == "http.response.start":
+                self._on_start()
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, watched)
         finally:
             with contextlib.suppress(Exception):
                 await self._upstream.aclose()

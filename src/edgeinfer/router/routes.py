@@ -10,8 +10,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from edgeinfer.node.embeddings import openai_embedding_job, workers_ai_embedding_job
 from edgeinfer.node.prepare import chat_job, completion_job, workers_ai_job
-from edgeinfer.node.schemas import ChatCompletionRequest, CompletionRequest, WorkersAIRunRequest
+from edgeinfer.node.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    WorkersAIRunRequest,
+)
 from edgeinfer.node.tenants import Tenant
 from edgeinfer.obs.metrics import CONTENT_TYPE
 
@@ -34,23 +40,35 @@ RouterTenant = Annotated[Tenant, Depends(router_tenant)]
 async def completions(body: CompletionRequest, request: Request, tenant: RouterTenant) -> Response:
     service = request.app.state.service
     job = completion_job(body, await request.json(), service.config.limits)
-    return await service.route(request, tenant, job)
+    return await service.route(request, tenant, job.model)
 
 
 @router.post("/v1/chat/completions", tags=["openai"])
 async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: RouterTenant) -> Response:
     service = request.app.state.service
     job = chat_job(body, await request.json(), service.config.limits)
-    return await service.route(request, tenant, job)
+    return await service.route(request, tenant, job.model)
+
+
+@router.post("/v1/embeddings", tags=["openai"])
+async def embeddings(body: EmbeddingRequest, request: Request, tenant: RouterTenant) -> Response:
+    service = request.app.state.service
+    job = openai_embedding_job(body, service.config.limits)
+    return await service.route(request, tenant, job.model)
 
 
 @router.post("/accounts/{account_id}/ai/run/{model:path}", tags=["workers-ai"])
 async def run_model(
     account_id: str, model: str, body: WorkersAIRunRequest, request: Request, tenant: RouterTenant
 ) -> Response:
+    """Validated as the node does: a model that the fleet serves for embeddings takes `text`, any other
+    model the text-generation shape."""
     service = request.app.state.service
-    job = workers_ai_job(model, body, await request.json(), service.config.limits)
-    return await service.route(request, tenant, job)
+    if service.is_embedding_model(model):
+        job = workers_ai_embedding_job(model, body, service.config.limits)
+    else:
+        job = workers_ai_job(model, body, await request.json(), service.config.limits)
+    return await service.route(request, tenant, job.model)
 
 
 @router.get("/v1/models", tags=["openai"])

@@ -9,8 +9,7 @@ from collections import OrderedDict, deque
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from edgeinfer.node.errors import busy, model_not_found
-from edgeinfer.node.jobs import Job
+from edgeinfer.node.errors import ApiError, busy, model_not_found
 from edgeinfer.node.tenants import Tenant, TenantRegistry
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.metrics import RouterMetrics
@@ -74,18 +73,30 @@ class RouterService:
         code = request.headers.get(CLIENT_LOCATION_HEADER, "").strip().upper()
         return code if code in self.state.fleet.rtt else self.config.location
 
-    async def route(self, request: Request, tenant: Tenant, job: Job) -> Response:
-        started = time.monotonic()
+    def is_embedding_model(self, model: str) -> bool:
+        """As the node's `model_task`: known only from live nodes' statuses; 404 for a model none serves."""
+        max_age = self.config.policy.drop_after_s
+        if model not in self.state.served_models(max_age):
+            raise self._unknown(model)
+        return model in self.state.embedding_models(max_age)
+
+    def _unknown(self, model: str) -> ApiError:
+        served = ", ".join(sorted(self.state.served_models(self.config.policy.drop_after_s))) or "nothing"
+        return model_not_found(f"model {model!r} does not exist; this fleet serves: {served}")
+
+    async def route(self, request: Request, tenant: Tenant, model: str) -> Response:
+        """Generation and embedding requests alike: the same policy, retries, tenants and metrics."""
+        started = getattr(request.state, "arrived", time.monotonic())
         body = await request.body()
         location = self.client_location(request)
         affinity = request.headers.get(AFFINITY_HEADER)
         session = f"{tenant.name}/{affinity}" if affinity else None
         tokens = len(body) // BYTES_PER_TOKEN
         features = RequestFeatures(
-            job.model, tokens, location, affinity, tenant.name, self.sessions.cached_tokens(session, tokens)
+            model, tokens, location, affinity, tenant.name, self.sessions.cached_tokens(session, tokens)
         )
         if self.placement is not None:
-            self.placement.demand.add(location, job.model)
+            self.placement.demand.add(location, model)
         decision = self._decide(features)
         headers = self._node_headers(request, tenant, location)
         forward = Forward(request.url.path, body, headers, location, started)
@@ -100,8 +111,7 @@ class RouterService:
         decision = decide(self.state.snapshot(), features, self.rng, self.config.policy, self.config.strategy)
         self.metrics.decision.observe(time.perf_counter() - t0)
         if decision.kind == "unknown_model":
-            served = ", ".join(sorted(self.state.served_models(self.config.policy.drop_after_s))) or "nothing"
-            raise model_not_found(f"model {features.model!r} does not exist; this fleet serves: {served}")
+            raise self._unknown(features.model)
         if decision.kind == "reject":
             self.metrics.rejected.labels(features.model).inc()
             raise busy(f"every node serving {features.model} is busy; retry shortly", decision.retry_after_s)

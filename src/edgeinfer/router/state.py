@@ -58,11 +58,18 @@ class FleetState:
         )
 
     def served_models(self, max_age_s: float) -> set[str]:
+        return self._live_names(max_age_s, lambda status: status.models_available)
+
+    def embedding_models(self, max_age_s: float) -> set[str]:
+        """Models some live node serves as an embedding model (they answer `text` with vectors)."""
+        return self._live_names(max_age_s, lambda status: status.models_embedding)
+
+    def _live_names(self, max_age_s: float, names_of: Callable[[NodeStatus], tuple[str, ...]]) -> set[str]:
         now = self.clock()
         names: set[str] = set()
         for view in self.nodes.values():
             if view.status is not None and now - view.received_at <= max_age_s:
-                names.update(view.status.models_available)
+                names.update(names_of(view.status))
         return names
 
 

@@ -14,8 +14,10 @@ STATUS_SUBJECT_PREFIX = "edgeinfer.status"
 class NodeStatus:
     """One node's state. Model lists hold every name a model answers to (aliases included).
 
-    `capacity`: requests the node runs at once (its resident engines' sequence slots); `kv_usage`: the
-    fullest resident engine's KV cache in [0, 1]; `ts`: unix seconds when the node took the snapshot.
+    `models_embedding`: the names (of `models_available`) that answer with vectors (/v1/embeddings,
+    Workers-AI text embeddings) rather than text. `capacity`: requests the node runs at once (its resident
+    engines' sequence slots); `kv_usage`: the fullest resident engine's KV cache in [0, 1]; `ts`: unix
+    seconds when the node took the snapshot.
     """
 
     node_id: str
@@ -23,6 +25,7 @@ class NodeStatus:
     models_available: tuple[str, ...] = ()
     models_warm: tuple[str, ...] = ()
     models_loading: tuple[str, ...] = ()
+    models_embedding: tuple[str, ...] = ()
     queue_depth: int = 0
     running: int = 0
     kv_usage: float = 0.0
@@ -45,6 +48,7 @@ class NodeStatus:
                 models_available=tuple(map(str, raw.get("models_available", ()))),
                 models_warm=tuple(map(str, raw.get("models_warm", ()))),
                 models_loading=tuple(map(str, raw.get("models_loading", ()))),
+                models_embedding=tuple(map(str, raw.get("models_embedding", ()))),
                 queue_depth=int(raw.get("queue_depth", 0)),
                 running=int(raw.get("running", 0)),
                 kv_usage=float(raw.get("kv_usage", 0.0)),
