@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizer_files import write_spm_gguf
 
+from edgeinfer.engine.direct_tokenizer import DirectTokenizer
 from edgeinfer.engine.model.loader import CheckpointError, open_checkpoint
 from edgeinfer.engine.tokenizer import Tokenizer
 
@@ -72,13 +73,16 @@ def _assert_reads_alike(cache: Path, texts: list[str]) -> None:
     from edgeinfer.engine.tokenizer import _load_pretrained, _load_saved
 
     fast, auto = _load_saved(cache), _load_pretrained(cache)
+    assert isinstance(fast, DirectTokenizer)  # not transformers' class: the comparison means something
     for text in texts:
         for special in (True, False):
             assert fast.encode(text, add_special_tokens=special) == auto.encode(
                 text, add_special_tokens=special
             )
         ids = auto.encode(text)
-        assert fast.decode(ids, skip_special_tokens=False) == auto.decode(ids, skip_special_tokens=False)
+        for skip in (True, False):
+            assert fast.decode(ids, skip_special_tokens=skip) == auto.decode(ids, skip_special_tokens=skip)
+        assert fast.convert_ids_to_tokens(ids) == auto.convert_ids_to_tokens(ids)
     ours = (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id, len(fast), fast.all_special_ids)
     assert ours == (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id, len(auto), auto.all_special_ids)
 

@@ -13,16 +13,18 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING, Any
 
 from edgeinfer.engine.chat_messages import normalize_messages
 from edgeinfer.engine.chat_templates import builtin_template, handles_tools, render_template
+from edgeinfer.engine.direct_tokenizer import DirectTokenizer, read_direct
 from edgeinfer.engine.model.loader import Checkpoint, CheckpointError
 from edgeinfer.engine.model.loader.errors import one_line
 from edgeinfer.structured.formats import FORMATS, THINKING_FORMATS, format_for
 from edgeinfer.structured.prompt import json_form_messages
+
+if TYPE_CHECKING:  # transformers is imported only where a tokenizer needs it (~1 s of a start)
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,10 @@ class Tokenizer:
     """Text ↔ token ids for one model, plus its chat format and stop tokens."""
 
     def __init__(
-        self, hf: PreTrainedTokenizerBase, model_type: str | None = None, eos_ids: Iterable[int] = ()
+        self,
+        hf: PreTrainedTokenizerBase | DirectTokenizer,
+        model_type: str | None = None,
+        eos_ids: Iterable[int] = (),
     ) -> None:
         self.hf = hf
         self._template = builtin_template(model_type)
@@ -124,7 +129,7 @@ class Tokenizer:
             raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
 
 
-def _token_id(hf: PreTrainedTokenizerBase) -> Callable[[str], int | None]:
+def _token_id(hf: PreTrainedTokenizerBase | DirectTokenizer) -> Callable[[str], int | None]:
     """Look up a token's id, None when the vocabulary lacks it (HF would answer with the unknown id)."""
 
     def lookup(token: str) -> int | None:
@@ -135,17 +140,21 @@ def _token_id(hf: PreTrainedTokenizerBase) -> Callable[[str], int | None]:
 
 
 def _load_pretrained(directory: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(str(directory))
     except (OSError, ValueError, TypeError) as exc:
         raise CheckpointError(f"{directory}: cannot load tokenizer ({one_line(exc)})") from exc
 
 
-def _gguf_tokenizer(gguf_path: Path, cache_dir: Path) -> PreTrainedTokenizerBase:
+def _gguf_tokenizer(gguf_path: Path, cache_dir: Path) -> PreTrainedTokenizerBase | DirectTokenizer:
     stamp = _source_stamp(gguf_path)
     if _cached_stamp(cache_dir) == stamp:
         return _load_saved(cache_dir)
     log.info("building the tokenizer from %s's metadata (cached afterwards in %s)", gguf_path.name, cache_dir)
+    from transformers import AutoTokenizer
+
     try:
         hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -156,22 +165,18 @@ def _gguf_tokenizer(gguf_path: Path, cache_dir: Path) -> PreTrainedTokenizerBase
     return hf
 
 
-def _load_saved(directory: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer we saved from GGUF metadata, read through `tokenizers` directly. AutoTokenizer builds
-    the family's class (Gemma's), which parses the 33 MB tokenizer.json in Python and then deep-copies the
-    result: on Gemma 3 270M 2.3x the time, the longest step of a cached start. The saved tokenizer.json
-    holds the normalizer, pre-tokenizer, post-processor and added tokens, so the result encodes alike."""
+def _load_saved(directory: Path) -> PreTrainedTokenizerBase | DirectTokenizer:
+    """The tokenizer we saved from GGUF metadata, read through `tokenizers` directly (`DirectTokenizer`).
+    AutoTokenizer builds the family's class (Gemma's), which parses the 33 MB tokenizer.json in Python and
+    then deep-copies the result: on Gemma 3 270M 2.3x the time, plus ~1 s to import transformers. The
+    saved tokenizer.json holds the normalizer, pre-tokenizer, post-processor and added tokens, so the
+    result encodes alike (tests/tokenizer/test_direct_tokenizer.py compares them)."""
     try:
-        config = json.loads((directory / "tokenizer_config.json").read_text())
-        config.pop("tokenizer_class", None)
-        hf = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), **config)
-    except (OSError, ValueError, TypeError) as exc:
+        direct = read_direct(directory)
+    except Exception as exc:  # tokenizers raises plain Exception; transformers may still read it
         log.warning("reading the saved tokenizer in %s directly failed (%s)", directory, one_line(exc))
         return _load_pretrained(directory)
-    template = directory / "chat_template.jinja"
-    if template.is_file():
-        hf.chat_template = template.read_text()
-    return hf
+    return direct if direct is not None else _load_pretrained(directory)
 
 
 def _source_stamp(path: Path) -> dict[str, Any]:

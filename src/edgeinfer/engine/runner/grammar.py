@@ -15,10 +15,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 
+from edgeinfer.engine.direct_tokenizer import serialized_tokenizer
 from edgeinfer.engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,9 @@ class LazyGuidanceTokenizer:
 
     def _build(self) -> None:
         try:
-            self._result = llguidance.hf.from_tokenizer(
-                self._hf, n_vocab=self.vocab_size, eos_token=self._eos
+            # from the serialized form, as llguidance.hf does (that module imports transformers)
+            self._result = llguidance.LLTokenizer(
+                serialized_tokenizer(self._hf), n_vocab=self.vocab_size, eos_token=self._eos
             )
         except Exception as exc:  # a tokenizer llguidance cannot read: constrained requests fail, others run
             log.warning("grammar-constrained decoding unavailable: %s", exc)

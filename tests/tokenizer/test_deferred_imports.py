@@ -1,0 +1,46 @@
+"""A cached start serves without importing transformers (~1 s of a start): the server's modules, the engine
+and a GGUF's saved tokenizer, llguidance's view of it included, need only `tokenizers`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import llguidance.hf
+from tokenizer_files import write_spm_gguf
+
+from edgeinfer.engine.model.loader import open_checkpoint
+from edgeinfer.engine.tokenizer import Tokenizer, _load_pretrained
+
+TEXTS = ["hello world", "the edge!", "<s>hi</s> <end_of_turn>x", "漢字 ok"]
+
+_PROBE = """
+import json, sys
+import edgeinfer.cli, edgeinfer.node.app, edgeinfer.node.cli, edgeinfer.engine.engine, edgeinfer.pool.manager
+from edgeinfer.engine.model.loader import open_checkpoint
+from edgeinfer.engine.runner.grammar import LazyGuidanceTokenizer
+from edgeinfer.engine.tokenizer import Tokenizer
+
+tok = Tokenizer.from_checkpoint(open_checkpoint(sys.argv[1]))
+guidance = LazyGuidanceTokenizer(tok.hf, tok.vocab_size, tok.eos_token_ids).get()
+pieces = [guidance.tokenize_str(text) for text in json.loads(sys.argv[2])]
+print(json.dumps([type(tok.hf).__name__, "transformers" in sys.modules, pieces]))
+"""
+
+
+def test_cached_gguf_tokenizer_serves_without_transformers(tmp_path: Path) -> None:
+    path = write_spm_gguf(tmp_path / "m.gguf")
+    tok = Tokenizer.from_checkpoint(open_checkpoint(path))  # builds (through transformers) and saves it
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-c", _PROBE, str(path), json.dumps(TEXTS)]
+    run = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    kind, imported, pieces = json.loads(run.stdout)
+    assert (kind, imported) == ("DirectTokenizer", False)
+    # llguidance's view of the direct read tokenizes as the one llguidance.hf builds from transformers'
+    hf = _load_pretrained(path.with_name(path.name + ".tokenizer"))
+    reference = llguidance.hf.from_tokenizer(hf, n_vocab=tok.vocab_size, eos_token=sorted(tok.eos_token_ids))
+    assert pieces == [reference.tokenize_str(text) for text in TEXTS]
