@@ -33,6 +33,7 @@ sys.path[:0] = [str(REPO / "src"), str(REPO / "bench")]
 from docs_table import replace_section  # noqa: E402
 
 from edgeinfer.bench.process import running_server  # noqa: E402
+from edgeinfer.engine.async_engine import STEP_THREAD_NAME  # noqa: E402
 
 DOCS = REPO / "docs" / "benchmarks.md"
 LOGS = REPO / "bench" / "results" / "logs"
@@ -81,6 +82,15 @@ def _threads_cpu(pid: int) -> dict[str, tuple[float, int, int]]:
     return out
 
 
+def _role(key: str, pid: int) -> str:
+    """What a server thread is: the main thread runs the event loop; the step thread names itself, and the
+    OpenMP workers it starts inherit its name."""
+    name, tid = key.split("#")
+    if int(tid) == pid:
+        return "event loop"
+    return "step thread + OpenMP workers" if name == STEP_THREAD_NAME else "other threads"
+
+
 def stream_once(url: str, seed: int, input_len: int, output_len: int) -> tuple[float, float]:
     body = {"model": "gemma-3-270m", "prompt": prompt_ids(seed, input_len), "max_tokens": output_len,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
@@ -99,7 +109,7 @@ def served(url: str, pid: int, seed: int, input_len: int, output_len: int) -> di
     per_thread: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     for key, (cpu, vol, invol) in after.items():
         b = before.get(key, (0.0, 0, 0))
-        name = key.split("#")[0]
+        name = _role(key, pid)
         for i, (x, y) in enumerate(((cpu, b[0]), (vol, b[1]), (invol, b[2]))):
             per_thread[name][i] += (x - y) / output_len
     busy = {name: v for name, v in per_thread.items() if v[0] > 0.05}
