@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from edgeinfer.engine.async_engine import STEP_THREAD_NAME, AsyncLLMEngine
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
 from edgeinfer.engine.threads import available_cores, use_threads
@@ -50,3 +56,17 @@ def test_serve_refuses_zero_threads_in_one_line(tiny_llama, capsys):
     assert main(["--model", tiny_llama, "--threads", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "threads must be >= 1" in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names are read from /proc")
+def test_the_async_engines_step_thread_has_an_os_name(tiny_llama, restore_threads):
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=tiny_llama, dtype="float32", num_kv_blocks=16)))
+    try:
+        names = {p.read_text().strip() for p in Path(f"/proc/{os.getpid()}/task").glob("*/comm")}
+        deadline = time.monotonic() + 10
+        while STEP_THREAD_NAME not in names and time.monotonic() < deadline:
+            time.sleep(0.01)
+            names = {p.read_text().strip() for p in Path(f"/proc/{os.getpid()}/task").glob("*/comm")}
+        assert STEP_THREAD_NAME in names
+    finally:
+        asyncio.run(engine.shutdown())

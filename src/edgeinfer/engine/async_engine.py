@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import EngineStats, LLMEngine
+from edgeinfer.engine.threads import name_os_thread
 from edgeinfer.types import EngineRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 # interpreter's switch interval (5 ms by default). 0.5 ms measured +4 % output tok/s at 32 streams and
 # -5 % TPOT at 8 (Gemma 3 270M int4, 1 thread, bench/serve_vs_llamacpp.py).
 SWITCH_INTERVAL_S = 0.0005
+# The step thread's OS name (and so its OpenMP workers'), as /proc, top -H and bench/serve_overhead.py see it.
+STEP_THREAD_NAME = "edgeinfer-step"
 
 
 @dataclass
@@ -99,6 +102,7 @@ class AsyncLLMEngine:
 
     # ---- the loop (engine thread) ----------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread(STEP_THREAD_NAME)
         while not self._stopped:
             with self._lock:
                 self._drain_inbox()

@@ -8,9 +8,14 @@ from a second thread, and our kernels split only products big enough to repay it
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import sys
 
 import torch
+
+_PR_SET_NAME = 15  # prctl(2)
 
 
 def available_cores() -> int:
@@ -28,3 +33,14 @@ def use_threads(threads: int | None) -> int:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread an OS-level name (Linux; at most 15 bytes), so `top -H`, /proc and profilers
+    tell it apart; the OpenMP workers it starts later inherit the name. Python's thread names stay
+    inside the interpreter."""
+    if not sys.platform.startswith("linux"):
+        return
+    # No libc symbol to call is no error: the name is only a convenience.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)

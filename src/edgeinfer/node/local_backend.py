@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -156,23 +157,14 @@ class LocalBackend(Backend):
 
     async def run(self, job: Job, outcome: Outcome) -> AsyncGenerator[ChoiceDelta, None]:
         outcome.version = self.version
-        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
-        pumps = [asyncio.create_task(self._pump(i, c.request, merged)) for i, c in enumerate(self._choices)]
-        remaining = len(self._choices)
         try:
-            while remaining:
-                index, item = await merged.get()
-                if isinstance(item, BaseException):
-                    raise _as_api_error(item)
-                deltas = self._deltas(job, index, item, outcome)
-                outcome.usage = self._total_usage(job.n)  # read by the usage checkpoints meanwhile
-                for delta in deltas:
-                    yield delta
-                if item.finished:
-                    remaining -= 1
+            async with contextlib.aclosing(self._outputs()) as outputs:
+                async for index, item in outputs:
+                    deltas = self._deltas(job, index, item, outcome)
+                    outcome.usage = self._total_usage(job.n)  # read by the usage checkpoints meanwhile
+                    for delta in deltas:
+                        yield delta
         finally:
-            for task in pumps:
-                task.cancel()
             for choice in self._choices:
                 if not choice.finished:
                     self._engine.abort(choice.request.request_id)
@@ -190,6 +182,33 @@ class LocalBackend(Backend):
                 total.cached_tokens += choice.usage.cached_tokens
             total.completion_tokens += choice.usage.completion_tokens
         return total
+
+    async def _outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """Every choice's engine outputs as (choice index, output), in arrival order, until all finish.
+
+        One choice (the common case) reads its engine stream directly: a pump task and a merge queue
+        would add two task switches to every token's path through the event loop."""
+        if len(self._choices) == 1:
+            try:
+                async with contextlib.aclosing(self._engine.generate(self._choices[0].request)) as stream:
+                    async for output in stream:
+                        yield 0, output
+            except Exception as exc:
+                raise _as_api_error(exc) from None
+            return
+        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(i, c.request, merged)) for i, c in enumerate(self._choices)]
+        remaining = len(self._choices)
+        try:
+            while remaining:
+                index, item = await merged.get()
+                if isinstance(item, BaseException):
+                    raise _as_api_error(item)
+                remaining -= item.finished
+                yield index, item
+        finally:
+            for task in pumps:
+                task.cancel()
 
     async def _pump(self, index: int, request: EngineRequest, merged: asyncio.Queue[Any]) -> None:
         # The engine never waits on us: it fills the generator's own queue, and this task moves

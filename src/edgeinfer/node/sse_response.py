@@ -42,8 +42,11 @@ class SSEResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_in_time(message: Message) -> None:
+            # asyncio.timeout, not wait_for: wait_for runs every chunk's write in a task of its own, a
+            # task and a timer per token on the event loop; this only arms a timer on the current task.
             try:
-                await asyncio.wait_for(send(message), self._write_timeout_s)
+                async with asyncio.timeout(self._write_timeout_s):
+                    await send(message)
             except TimeoutError:
                 raise _ReaderStalled() from None
 
