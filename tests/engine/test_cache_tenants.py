@@ -13,7 +13,7 @@ BS = 4
 
 def _cache(kv: KVCacheManager, rid: str, tokens: list[int], tenant: str) -> None:
     """One request that computes `tokens` in tenant's namespace, then finishes (its blocks stay cached)."""
-    prefix, cached = kv.lookup(tenant, tokens)
+    prefix, _ = kv.lookup(tenant, tokens)
     assert kv.allocate(rid, len(tokens), prefix, tenant, owner=tenant) is not None
     kv.cache_full_blocks(rid, tokens, len(tokens))
     kv.free(rid)

@@ -46,7 +46,7 @@ def test_public_prefix_is_hit_by_every_tenant_and_tails_stay_private(tiny_llama,
     eng.check_integrity()
 
 
-def test_a_block_reused_by_another_tenant_holds_none_of_the_first_ones_values(tiny_llama, engine_factory) -> None:
+def test_a_block_reused_by_another_tenant_holds_none_of_the_first_ones(tiny_llama, engine_factory) -> None:
     eng = engine_factory(tiny_llama, num_kv_blocks=6)
     eng.add_request(EngineRequest("a", list(range(3, 22)), SamplingParams(max_tokens=5, temperature=0.0)))
     while eng.has_unfinished_requests():

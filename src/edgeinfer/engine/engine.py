@@ -17,12 +17,12 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.kv_cache.hashing import PUBLIC_NAMESPACE
-from edgeinfer.engine.public_prefix import public_token_ids
 from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, resolve_dtype
 from edgeinfer.engine.model.compile import use_persistent_compile_cache
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
 from edgeinfer.engine.prepared import cache_root
+from edgeinfer.engine.public_prefix import public_token_ids
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.runner import ModelRunner, RunnerOutput
 from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput

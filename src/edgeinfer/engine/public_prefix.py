@@ -9,8 +9,6 @@ it are shared, so a token merged across the preamble's end costs at most its las
 
 from __future__ import annotations
 
-import os
-
 from edgeinfer.engine.tokenizer import Tokenizer
 
 
@@ -19,10 +17,14 @@ def chat_preamble(tokenizer: Tokenizer, system: str) -> str:
         tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": u}])
         for u in ("\u2460", "\u2461")
     ]
-    return os.path.commonprefix(renders)
+    a, b = renders
+    same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return a[:same]
 
 
-def public_token_ids(tokenizer: Tokenizer, texts: tuple[str, ...], systems: tuple[str, ...]) -> list[list[int]]:
+def public_token_ids(
+    tokenizer: Tokenizer, texts: tuple[str, ...], systems: tuple[str, ...]
+) -> list[list[int]]:
     out = [tokenizer.encode(text, add_special_tokens=True) for text in texts]
     out += [tokenizer.encode(chat_preamble(tokenizer, s), add_special_tokens=False) for s in systems]
     return out

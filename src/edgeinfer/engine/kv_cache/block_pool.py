@@ -79,7 +79,8 @@ class BlockPool:
         if self.plain_free:
             return self.plain_free.popitem(last=False)[0]
         owner = self.eviction.victim(self)
-        block = next(iter(self.cached_free_by_owner[owner])) if owner is not None else next(iter(self.cached_free))
+        queue = self.cached_free_by_owner[owner] if owner is not None else self.cached_free
+        block = next(iter(queue))
         self._unlink_free(block)
         self.evicted_by_owner[self.owner[block]] += 1
         return block

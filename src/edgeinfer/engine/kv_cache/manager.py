@@ -104,7 +104,8 @@ class KVCacheManager:
             self.pool.acquire(block)
         table = prefix + (self.pool.allocate(max(need, 0), owner) or [])
         self.tables[request_id] = table
-        hashes = [h for b in prefix if (h := self.pool.block_hash[b]) is not None]  # all prefix blocks are indexed
+        # Prefix blocks come from lookup, so every one is indexed.
+        hashes = [h for b in prefix if (h := self.pool.block_hash[b]) is not None]
         public = set(self.pinned)
         num_public = next((i for i, b in enumerate(prefix) if b not in public), len(prefix))
         if namespace == PUBLIC_NAMESPACE:
