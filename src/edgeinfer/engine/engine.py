@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,10 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Per tenant: cached unreferenced blocks held now (what its cache share bounds), and blocks of its
+    # evicted so far.
+    cached_blocks_by_tenant: dict[str, int] = field(default_factory=dict)
+    evicted_blocks_by_tenant: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -306,6 +310,8 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            cached_blocks_by_tenant=kv.pool.held_by_owner(),
+            evicted_blocks_by_tenant=dict(kv.pool.evicted_by_owner),
         )
 
     def memory_bytes(self) -> int:

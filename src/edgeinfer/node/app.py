@@ -54,6 +54,8 @@ def engine_gauges(pool: ModelPool) -> dict[str, EngineGauges]:
                 s.prefix_cache_queries,
                 s.prefix_cache_hits,
                 s.num_preemptions,
+                s.cached_blocks_by_tenant,
+                s.evicted_blocks_by_tenant,
             )
         elif isinstance(member, EmbeddingMember):
             e = member.engine.stats()

@@ -12,6 +12,7 @@ from typing import Any
 from edgeinfer.node.config import NodeLimits
 from edgeinfer.node.errors import ApiError, bad_request, internal
 from edgeinfer.node.jobs import CHAT, Backend, ChoiceDelta, Job, LogprobEntry, Outcome
+from edgeinfer.node.tenants import Tenant
 from edgeinfer.obs.canary import DEGENERATE_REPETITION, NONFINITE_LOGITS, is_degenerate_repetition
 from edgeinfer.obs.timing import LatencyBreakdown
 from edgeinfer.pool.member import LocalMember
@@ -42,13 +43,12 @@ class _Choice:
 
 
 class LocalBackend(Backend):
-    def __init__(self, member: LocalMember, limits: NodeLimits, tenant: str, cache_namespace: str) -> None:
+    def __init__(self, member: LocalMember, limits: NodeLimits, tenant: Tenant) -> None:
         self._member = member
         self._engine = member.engine
         self._tokenizer = member.tokenizer
         self._limits = limits
         self._tenant = tenant
-        self._namespace = cache_namespace
         self._choices: list[_Choice] = []
         self._pieces: dict[int, str] = {}
         self.version = member.version
@@ -72,10 +72,12 @@ class LocalBackend(Backend):
                     request_id=f"{job.request_id}-{p * job.n + i}",
                     prompt_token_ids=ids,
                     sampling=_replace(sampling, seed=choice_seed(sampling.seed, i)),
-                    tenant=self._tenant,
+                    tenant=self._tenant.name,
                     model=self._member.name,
                     arrival_time=job.arrival,
-                    cache_namespace=self._namespace,
+                    cache_namespace=self._tenant.cache_namespace,
+                    tenant_weight=self._tenant.weight,
+                    cache_share=self._tenant.cache_share,
                 )
                 self._choices.append(_Choice(request, text, parser=self._parser(job, text)))
             reserve += len(ids) + job.n * max_tokens

@@ -165,9 +165,9 @@ class NodeService:
     def _backend(self, lease: Lease, tenant: Tenant) -> Backend:
         member: PoolMember = lease.member
         if isinstance(member, LocalMember):
-            return LocalBackend(member, self.limits, tenant.name, tenant.cache_namespace)
+            return LocalBackend(member, self.limits, tenant)
         if isinstance(member, UpstreamMember):
-            return UpstreamBackend(member, self.limits)
+            return UpstreamBackend(member, self.limits, tenant.cache_namespace)
         raise internal(f"no backend for pool member kind {member.kind!r}")
 
     async def _respond(
