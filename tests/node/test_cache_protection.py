@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -10,6 +11,8 @@ from typing import Any, ClassVar
 
 import httpx
 import pytest
+
+from edgeinfer.bench.audit_cache import audit
 
 KEY_A, KEY_B = "ei-key-a", "ei-key-b"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 6
@@ -101,3 +104,13 @@ def test_an_upstream_member_receives_the_tenants_salt(recorder, node_factory, ma
         and salt_b == registry.by_name("beta").cache_namespace
     )
     assert salt_a != salt_b and len(salt_a) == 64
+
+
+def test_audit_cache_runs_against_a_node(two_tenants) -> None:
+    """The audit's measurement plumbing on a real server (its verdicts live in docs/benchmarks.md)."""
+    result = asyncio.run(audit(two_tenants.url, KEY_A, KEY_B, "tiny", n=4, words=40, seed=3))
+    assert len(result.same_tenant_ttft_s) == len(result.other_tenant_ttft_s) == len(result.unseen_ttft_s) == 4
+    assert all(t > 0 for t in result.unseen_ttft_s)
+    assert 0.0 <= result.auc_other_vs_unseen <= 1.0 and 0.0 <= result.ks_same_vs_unseen[1] <= 1.0
+    stats = two_tenants.engine("tiny").stats()
+    assert stats.prefix_cache_hits > 0  # A's repeats hit; B's never can (test above)
