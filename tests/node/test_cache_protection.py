@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import httpx
 import pytest
 
-from edgeinfer.bench.audit_cache import audit
+from edgeinfer.bench.audit_cache import audit, ttft
 
 KEY_A, KEY_B = "ei-key-a", "ei-key-b"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 6
@@ -114,3 +114,19 @@ def test_audit_cache_runs_against_a_node(two_tenants) -> None:
     assert 0.0 <= result.auc_other_vs_unseen <= 1.0 and 0.0 <= result.ks_same_vs_unseen[1] <= 1.0
     stats = two_tenants.engine("tiny").stats()
     assert stats.prefix_cache_hits > 0  # A's repeats hit; B's never can (test above)
+
+
+def test_ttft_bucket_holds_a_hits_first_token(node_factory, make_tenant, tiny_llama_dir) -> None:
+    node = node_factory(
+        {"tiny": tiny_llama_dir},
+        tenants=[make_tenant("alpha", KEY_A)],
+        preload=("tiny",),
+        ttft_bucket_ms=1500,
+    )
+
+    async def probe() -> list[float]:
+        async with httpx.AsyncClient(base_url=node.url, timeout=60) as client:
+            return [await ttft(client, "tiny", KEY_A, PROMPT) for _ in range(2)]
+
+    _, hit = asyncio.run(probe())
+    assert hit >= 1.5  # the repeat hit the cache, so its first token waited for the bucket's end

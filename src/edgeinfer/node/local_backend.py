@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -163,11 +164,15 @@ class LocalBackend(Backend):
         merged: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         pumps = [asyncio.create_task(self._pump(i, c.request, merged)) for i, c in enumerate(self._choices)]
         remaining = len(self._choices)
+        first = True
         try:
             while remaining:
                 index, item = await merged.get()
                 if isinstance(item, BaseException):
                     raise _as_api_error(item)
+                if first and item.new_token_ids:
+                    first = False
+                    await self._hold_first_token(job, item)
                 deltas = self._deltas(job, index, item, outcome)
                 outcome.usage = self._total_usage(job.n)  # read by the usage checkpoints meanwhile
                 for delta in deltas:
@@ -182,6 +187,14 @@ class LocalBackend(Backend):
                     self._engine.abort(choice.request.request_id)
             # Billed even when cut short: what the engine did compute for each choice so far.
             outcome.usage = self._total_usage(job.n)
+
+    async def _hold_first_token(self, job: Job, item: RequestOutput) -> None:
+        """Timing hygiene (NodeLimits.ttft_bucket_ms): a hit's first token waits for its bucket's end."""
+        bucket = self._limits.ttft_bucket_ms / 1000.0
+        if bucket <= 0 or item.usage.cached_tokens == 0:
+            return
+        elapsed = time.monotonic() - job.arrival
+        await asyncio.sleep(math.ceil(elapsed / bucket) * bucket - elapsed)
 
     def _total_usage(self, n: int) -> Usage:
         total = Usage()
