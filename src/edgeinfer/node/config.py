@@ -35,8 +35,8 @@ class NodeLimits:
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
-            if getattr(self, name) < 1:
-                raise ValueError(f"limit {name} must be >= 1")
+            if getattr(self, name) < (0 if name == "ttft_bucket_ms" else 1):
+                raise ValueError(f"limit {name} must be >= {0 if name == 'ttft_bucket_ms' else 1}")
 
 
 @dataclass(frozen=True)
