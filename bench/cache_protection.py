@@ -97,6 +97,14 @@ async def one(url: str, tenant: str, prompt: str) -> float:
         return await ttft(c, MODEL, key(tenant), prompt)
 
 
+class Lines(list[str]):
+    """Result rows, each also printed as soon as it is measured (a long run shows progress)."""
+
+    def append(self, line: str) -> None:
+        print(line, flush=True)
+        super().append(line)
+
+
 def p50(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3
 
@@ -143,7 +151,7 @@ def main() -> int:
     n_audit, reps = (6, 2) if args.quick else (16, 3)
     rng = random.Random(0)
     load_before = os.getloadavg()[0]
-    lines: list[str] = []
+    lines = Lines()
     system = "You are a careful assistant. " + fresh_prompt(random.Random(7), WORDS_PER_1K_TOKENS)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
