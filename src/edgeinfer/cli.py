@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "a loopback fleet (`up`) and the fleet simulator (`simulate`)",
     ),
     "bench": ("edgeinfer.bench.cli", "benchmark a running OpenAI-compatible server"),
+    "audit-cache": (
+        "edgeinfer.bench.audit_cache",
+        "measure whether a server's prompt cache leaks one tenant's prompts to another (TTFT, ROC AUC)",
+    ),
     "quantize": ("edgeinfer.engine.quant.cli", "write a weight-quantized checkpoint"),
     "compress": ("edgeinfer.engine.quant.cli", "write a losslessly compressed BF16 checkpoint"),
     "eval": ("edgeinfer.eval.cli", "perplexity and divergence against a baseline"),

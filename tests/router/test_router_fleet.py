@@ -361,3 +361,24 @@ def _finishes_cleanly(stream: Stream) -> bool:
     finally:
         response.close()
         client.close()
+
+
+def test_the_signed_cache_salt_is_the_nodes_namespace(loopback_fleet: LoopbackFleet):
+    """A node uses the salt a router signed as the tenant's namespace; a salt swapped in transit is a 401."""
+    ams = loopback_fleet.nodes["ams-1"].url
+    body = {"model": "tiny", "prompt": "salted prompt " * 12, "max_tokens": 2}
+
+    def cached(salt: str, tamper: str | None = None) -> int | None:
+        headers = router_trust.signed_headers(SECRET, "bob", time.time(), salt)
+        if tamper is not None:
+            headers["x-edgeinfer-cache-salt"] = tamper
+        response = httpx.post(ams + "/v1/completions", json=body, headers=headers)
+        if response.status_code == 401:
+            return None
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    first_salt, other_salt = "a" * 64, "b" * 64
+    assert cached(first_salt) == 0
+    assert cached(first_salt) > 0  # the same salt: the same namespace
+    assert cached(other_salt) == 0  # another salt (another tenant's, as the router derives it): no hit
+    assert cached(first_salt, tamper=other_salt) is None

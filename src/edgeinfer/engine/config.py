@@ -28,6 +28,16 @@ class EngineConfig:
     batch_window_ms: float = 2.0
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
+    # Tenants' shares: eviction takes cached blocks from the tenant furthest over its share
+    # (kv_cache/eviction.py), and prefill goes by weighted fair share across tenants
+    # (scheduler/fairness.py). Off: one global LRU and arrival order across everyone.
+    cache_tenant_shares: bool = True
+    fair_share: bool = True
+    # Public prefixes: computed once at load, pinned in the cache, and hit by every tenant; a request's
+    # tail after one stays in its tenant's namespace (kv_cache/hashing.py). Texts are completions-prompt
+    # prefixes; system prompts are shared as their chat preamble (engine/public_prefix.py).
+    public_prefixes: tuple[str, ...] = ()
+    public_system_prompts: tuple[str, ...] = ()
     quantization: str | None = None
     # With `quantization`: how the (often tied) lm_head and embeddings are stored. `auto` is int8 under
     # int4 weights (as Q4_K_M keeps its token embedding in Q8_0; int4's GEMV kernel is also 2x slower

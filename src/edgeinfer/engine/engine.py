@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +16,13 @@ from edgeinfer.engine.attention import KVCacheStorage
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.kv_cache import KVCacheManager
+from edgeinfer.engine.kv_cache.hashing import PUBLIC_NAMESPACE
 from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, resolve_dtype
 from edgeinfer.engine.model.compile import use_persistent_compile_cache
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
 from edgeinfer.engine.prepared import cache_root
+from edgeinfer.engine.public_prefix import public_token_ids
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.runner import ModelRunner, RunnerOutput
 from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
@@ -41,6 +43,10 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Per tenant: cached unreferenced blocks held now (what its cache share bounds), and blocks of its
+    # evicted so far.
+    cached_blocks_by_tenant: dict[str, int] = field(default_factory=dict)
+    evicted_blocks_by_tenant: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,13 +82,19 @@ class LLMEngine:
             self.device,
             config.kv_cache_dtype,
         )
-        kv = KVCacheManager(self.layout.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        kv = KVCacheManager(
+            self.layout.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.cache_tenant_shares,
+        )
         sched_cfg = SchedulerConfig(
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.layout.max_model_len,
             config.batch_window_ms,
             config.scheduling_policy,
+            config.fair_share,
         )
         self.scheduler = Scheduler(sched_cfg, kv, clock)
         if config.compile:
@@ -105,6 +117,8 @@ class LLMEngine:
         self._ids = itertools.count()
         if config.compile:
             self._warm_up()
+        for ids in public_token_ids(self.tokenizer, config.public_prefixes, config.public_system_prompts):
+            self.add_public_prefix(ids)
         log.info(
             "engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), context %d",
             config.model,
@@ -123,6 +137,20 @@ class LLMEngine:
         prompt = [self.tokenizer.bos_token_id or 0] * 5
         self.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
         log.info("compiled the decode step in %.1f s", time.perf_counter() - start)
+
+    def add_public_prefix(self, token_ids: list[int]) -> int:
+        """Compute `token_ids` once in the public namespace and pin its whole blocks: every tenant's
+        request that starts with them hits them. Call before serving (it steps the engine itself).
+        Returns the number of pinned blocks."""
+        rid = f"public-{next(self._ids)}"
+        sampling = SamplingParams(max_tokens=1, temperature=0.0)
+        self.add_request(EngineRequest(rid, list(token_ids), sampling, cache_namespace=PUBLIC_NAMESPACE))
+        while self.has_unfinished_requests():
+            self.step()
+        kv = self.scheduler.kv
+        # One token more, so that lookup (which leaves the last token to compute) covers every whole block.
+        blocks, _ = kv.lookup(PUBLIC_NAMESPACE, [*token_ids, 0])
+        return kv.pin(blocks)
 
     # ---- requests --------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -185,6 +213,8 @@ class LLMEngine:
         logits, an exception while decoding its text) fails that request alone; the others' tokens are
         those of a step without it."""
         sched = self.scheduler.schedule()
+        # Blocks last written for another tenant: scrubbed before this step writes them (block_pool.py).
+        self.runner.storage.zero_blocks(self.scheduler.kv.pool.take_dirty())
         result = self._execute(sched)
         # Fed once, after the step and any isolation re-runs: a re-run never advances a matcher twice.
         result.feed_grammar(self.runner.grammar)
@@ -281,6 +311,8 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            cached_blocks_by_tenant=kv.pool.held_by_owner(),
+            evicted_blocks_by_tenant=dict(kv.pool.evicted_by_owner),
         )
 
     def memory_bytes(self) -> int:

@@ -59,6 +59,8 @@ def engine_gauges(pool: ModelPool) -> dict[str, EngineGauges]:
             s.prefix_cache_queries,
             s.prefix_cache_hits,
             s.num_preemptions,
+            s.cached_blocks_by_tenant,
+            s.evicted_blocks_by_tenant,
         )
     return gauges
 

@@ -17,6 +17,7 @@ from edgeinfer.pool.spec import (
     parse_alias_arg,
     parse_bytes,
     parse_model_arg,
+    parse_public_prefixes,
     parse_upstream_arg,
     parse_upstream_tokenizer_arg,
 )
@@ -104,6 +105,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=None, help="threads for the engines' ops (default: every core)"
     )
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument(
+        "--public-prefixes",
+        default=None,
+        metavar="FILE",
+        help="shared prefixes per model, computed at load and hit by every tenant (JSON/TOML: "
+        '{"MODEL": {"texts": [...], "system_prompts": [...]}}; docs/engine.md)',
+    )
+    engine.add_argument(
+        "--no-tenant-shares",
+        action="store_true",
+        help="one global LRU over cached blocks and arrival-order prefill, instead of per-tenant shares",
+    )
     engine.add_argument(
         "--compile",
         action="store_true",
@@ -201,6 +214,7 @@ _LIMIT_HELP = {
     "max_n": "choices per request (n × prompts)",
     "max_top_logprobs": "top logprobs per token",
     "max_stop": "stop sequences per request",
+    "ttft_bucket_ms": "round a prefix-cache hit's first token up to a multiple of this many ms; 0: off",
     "max_body_bytes": "request body bytes",
     "max_queue_depth": "requests waiting per model before 429 (code 3040)",
     "workers_ai_default_max_tokens": "max_tokens when a Workers-AI request gives none",
@@ -290,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
 
     from edgeinfer.engine.config import EngineConfig
     from edgeinfer.node.app import create_app
+    from edgeinfer.node.files import load_table
     from edgeinfer.node.server import uvicorn_config
     from edgeinfer.pool.loader import EngineLoader
     from edgeinfer.pool.manager import ModelPool
@@ -304,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         batch_window_ms=args.batch_window_ms,
         enable_prefix_caching=not args.no_prefix_caching,
+        cache_tenant_shares=not args.no_tenant_shares,
+        fair_share=not args.no_tenant_shares,
         quantization=args.quantization,
         lm_head_quantization=args.lm_head_quantization,
         cpu_gemv=args.cpu_gemv,
@@ -316,7 +333,10 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
-    pool = ModelPool(build_specs(args), EngineLoader(engine_config), budget_bytes=budget)
+    public = parse_public_prefixes(load_table(args.public_prefixes)) if args.public_prefixes else {}
+    pool = ModelPool(
+        build_specs(args), EngineLoader(engine_config, public_prefixes=public), budget_bytes=budget
+    )
     for name in config.preload:
         pool.resolve(name)  # an unknown --preload name fails here, in one line, before anything loads
     _configure_access_log(enabled=not args.no_access_log)

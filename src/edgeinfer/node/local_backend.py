@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -49,8 +50,7 @@ class LocalBackend(Backend):
         self._engine = member.engine
         self._tokenizer = member.tokenizer
         self._limits = limits
-        self._tenant = tenant.name
-        self._namespace = tenant.cache_namespace
+        self._tenant = tenant
         self._choices: list[_Choice] = []
         self._pieces: dict[int, str] = {}
         self.version = member.version
@@ -71,10 +71,12 @@ class LocalBackend(Backend):
                     request_id=f"{job.request_id}-{p * job.n + i}",
                     prompt_token_ids=ids,
                     sampling=_replace(sampling, seed=choice_seed(sampling.seed, i)),
-                    tenant=self._tenant,
+                    tenant=self._tenant.name,
                     model=self._member.name,
                     arrival_time=job.arrival,
-                    cache_namespace=self._namespace,
+                    cache_namespace=self._tenant.cache_namespace,
+                    tenant_weight=self._tenant.weight,
+                    cache_share=self._tenant.cache_share,
                 )
                 self._choices.append(_Choice(request, text, parser=self._parser(job, text)))
             reserve += len(ids) + job.n * max_tokens
@@ -157,9 +159,13 @@ class LocalBackend(Backend):
 
     async def run(self, job: Job, outcome: Outcome) -> AsyncGenerator[ChoiceDelta, None]:
         outcome.version = self.version
+        first = True
         try:
             async with contextlib.aclosing(self._outputs()) as outputs:
                 async for index, item in outputs:
+                    if first and item.new_token_ids:
+                        first = False
+                        await self._hold_first_token(job, item)
                     deltas = self._deltas(job, index, item, outcome)
                     outcome.usage = self._total_usage(job.n)  # read by the usage checkpoints meanwhile
                     for delta in deltas:
@@ -170,6 +176,14 @@ class LocalBackend(Backend):
                     self._engine.abort(choice.request.request_id)
             # Billed even when cut short: what the engine did compute for each choice so far.
             outcome.usage = self._total_usage(job.n)
+
+    async def _hold_first_token(self, job: Job, item: RequestOutput) -> None:
+        """Timing hygiene (NodeLimits.ttft_bucket_ms): a hit's first token waits for its bucket's end."""
+        bucket = self._limits.ttft_bucket_ms / 1000.0
+        if bucket <= 0 or item.usage.cached_tokens == 0:
+            return
+        elapsed = time.monotonic() - job.arrival
+        await asyncio.sleep(math.ceil(elapsed / bucket) * bucket - elapsed)
 
     def _total_usage(self, n: int) -> Usage:
         total = Usage()

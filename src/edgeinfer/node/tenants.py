@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import re
 from collections.abc import Mapping
@@ -13,12 +11,16 @@ from typing import Any
 from edgeinfer.node.errors import unauthorized
 from edgeinfer.node.keys import hash_key
 from edgeinfer.node.prices import Price
+from edgeinfer.types.cache_salt import tenant_salt
 
 logger = logging.getLogger("edgeinfer.node")
 
 OPEN_TENANT = "default"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+# Weights (> 0, default 1): `weight` in the fair share of prefill across tenants, `cache_share` in the
+# share of cached KV blocks that eviction keeps for each tenant.
+_SHARE_FIELDS = ("weight", "cache_share")
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,14 @@ class Tenant:
     limits: TenantLimits = field(default_factory=TenantLimits)
     # Partial per-model price overrides (only the fields that differ from the node's price table).
     prices: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    weight: float = 1.0
+    cache_share: float = 1.0
 
 
 def cache_namespace(secret: bytes, tenant: str) -> str:
-    """HMAC of the tenant name under the server secret: stable per tenant, unguessable, never client-set."""
-    return hmac.new(secret, b"tenant:" + tenant.encode("utf-8"), hashlib.sha256).hexdigest()[:32]
+    """The tenant's salt under the server secret (types/cache_salt.py): stable per tenant, unguessable,
+    never client-set."""
+    return tenant_salt(secret, tenant)
 
 
 class TenantRegistry:
@@ -117,7 +122,7 @@ def _parse_entry(entry: Any, index: int, secret: bytes) -> tuple[str, Tenant]:
     where = f"tenants[{index}]"
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: must be a table/object")
-    unknown = set(entry) - {"name", "key_sha256", "prices", *_LIMIT_FIELDS}
+    unknown = set(entry) - {"name", "key_sha256", "prices", *_LIMIT_FIELDS, *_SHARE_FIELDS}
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
     name, key_hash = entry.get("name"), str(entry.get("key_sha256", "")).lower()
@@ -131,4 +136,11 @@ def _parse_entry(entry: Any, index: int, secret: bytes) -> tuple[str, Tenant]:
     prices = dict(entry.get("prices", {}))
     for model, override in prices.items():
         Price.from_mapping(override, where=f"{where}.prices.{model}")  # validated now, applied when billing
-    return key_hash, Tenant(name, cache_namespace(secret, name), limits, prices)
+    shares = {k: _share(entry[k], f"{where}.{k}") for k in _SHARE_FIELDS if k in entry}
+    return key_hash, Tenant(name, cache_namespace(secret, name), limits, prices, **shares)
+
+
+def _share(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{where}: must be a number > 0, got {value!r}")
+    return float(value)

@@ -14,17 +14,22 @@ from edgeinfer.node.tenants import Tenant
 from edgeinfer.obs.timing import LatencyBreakdown
 from edgeinfer.pool.upstream import UpstreamError, UpstreamMember
 from edgeinfer.types import Usage
+from edgeinfer.types.cache_salt import UPSTREAM_FIELD
 
 # Without the served model's tokenizer (`--upstream-tokenizer`), the tokens/min reservation estimates
 # ~4 characters per token; either way it is settled to the upstream's real usage when the request ends.
 CHARS_PER_TOKEN = 4
-_OUR_FIELDS = ("options",)
+# Never forwarded as the client sent them: our own options, and `cache_salt`, which the node sets to the
+# tenant's salt so that SGLang / vLLM keep each tenant's prefix cache apart (a client-set salt would let
+# it probe another tenant's cache).
+_OUR_FIELDS = ("options", UPSTREAM_FIELD)
 
 
 class UpstreamBackend(Backend):
     def __init__(self, member: UpstreamMember, limits: NodeLimits, tenant: Tenant) -> None:
         self._member = member
         self._limits = limits
+        self._cache_salt = tenant.cache_namespace
         self._prompt_estimate = 0
         self.version = member.version
 
@@ -36,6 +41,7 @@ class UpstreamBackend(Backend):
     async def run(self, job: Job, outcome: Outcome) -> AsyncGenerator[ChoiceDelta, None]:
         outcome.version = self.version
         body = {k: v for k, v in job.upstream_body.items() if k not in _OUR_FIELDS}
+        body[UPSTREAM_FIELD] = self._cache_salt
         try:
             if job.stream:
                 body.update(stream=True, stream_options={"include_usage": True})

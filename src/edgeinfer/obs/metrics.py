@@ -1,7 +1,8 @@
 """Prometheus metrics of a node, named like vLLM's under the `edgeinfer:` prefix.
 
 Every series is labelled by model only (plus a bounded second label where the name says so: status code,
-canary kind and model version) — never by tenant, which would make cardinality grow with customers.
+canary kind and model version). Only the `tenant_*` cache series carry a tenant label: their tenants
+are the tenants file's (bounded by the operator), and a quota is only useful if each one is visible.
 Each `NodeMetrics` owns its registry, so several servers can live in one process (tests do).
 """
 
@@ -48,6 +49,8 @@ class EngineGauges:
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
     num_preemptions: int | None = None
+    cached_blocks_by_tenant: Mapping[str, int] = field(default_factory=dict)
+    evicted_blocks_by_tenant: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -218,3 +221,23 @@ class _EngineCollector(Collector):
                 if (value := get(s)) is not None:
                     family.add_metric([model], value)
             yield family
+        yield from _tenant_cache_families(stats)
+
+
+def _tenant_cache_families(stats: Mapping[str, EngineGauges]) -> Iterable[Metric]:
+    held = GaugeMetricFamily(
+        PREFIX + "tenant_cached_blocks",
+        "Cached, unreferenced KV blocks a tenant holds (bounded by its cache share under pressure).",
+        labels=["model", "tenant"],
+    )
+    evicted = CounterMetricFamily(
+        PREFIX + "tenant_evicted_blocks", "KV blocks of a tenant's evicted from the prefix cache.",
+        labels=["model", "tenant"],
+    )  # fmt: skip
+    for model, s in stats.items():
+        for tenant, n in s.cached_blocks_by_tenant.items():
+            held.add_metric([model, tenant], n)
+        for tenant, n in s.evicted_blocks_by_tenant.items():
+            evicted.add_metric([model, tenant], n)
+    yield held
+    yield evicted

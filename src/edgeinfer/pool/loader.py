@@ -6,11 +6,12 @@ import abc
 import asyncio
 import dataclasses
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeinfer.pool.member import EMBED, GENERATE, EmbeddingMember, LocalMember, PoolMember
-from edgeinfer.pool.spec import LOCAL, MemberSpec
+from edgeinfer.pool.spec import LOCAL, MemberSpec, PublicPrefixes
 from edgeinfer.pool.upstream import UpstreamMember
 
 if TYPE_CHECKING:
@@ -36,9 +37,15 @@ class MemberLoader(abc.ABC):
 class EngineLoader(MemberLoader):
     """Local members become `AsyncLLMEngine`s built from `engine_config` with the spec's checkpoint."""
 
-    def __init__(self, engine_config: EngineConfig, upstream_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        upstream_timeout_s: float = 300.0,
+        public_prefixes: Mapping[str, PublicPrefixes] | None = None,
+    ) -> None:
         self._engine_config = engine_config
         self._upstream_timeout_s = upstream_timeout_s
+        self._public = dict(public_prefixes or {})
 
     def estimate_bytes(self, spec: MemberSpec) -> int:
         """Weight files on disk plus the KV budget. Quantized files that the engine dequantizes load
@@ -63,7 +70,13 @@ class EngineLoader(MemberLoader):
             return await self._load_embedding(spec)
         from edgeinfer.engine.async_engine import AsyncLLMEngine
 
-        config = dataclasses.replace(self._engine_config, model=spec.target)
+        public = self._public.get(spec.name, PublicPrefixes())
+        config = dataclasses.replace(
+            self._engine_config,
+            model=spec.target,
+            public_prefixes=public.texts,
+            public_system_prompts=public.system_prompts,
+        )
         # from_config blocks for seconds (reading weights); a worker thread keeps the event loop serving.
         engine = await asyncio.to_thread(AsyncLLMEngine.from_config, config)
         version = checkpoint_version(resolve_checkpoint_path(spec.target), config.quantization)

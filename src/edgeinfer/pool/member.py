@@ -8,6 +8,8 @@ fleet status) and `health()`; the node generates through the backend registered 
 from __future__ import annotations
 
 import abc
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,9 @@ class MemberStats:
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
     num_preemptions: int | None = None
+    # Per tenant: cached (unreferenced) KV blocks it holds, and blocks evicted from it (local engines).
+    cached_blocks_by_tenant: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    evicted_blocks_by_tenant: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 class PoolMember(abc.ABC):
@@ -89,6 +94,8 @@ class LocalMember(PoolMember):
             s.prefix_cache_queries,
             s.prefix_cache_hits,
             s.num_preemptions,
+            s.cached_blocks_by_tenant,
+            s.evicted_blocks_by_tenant,
         )
 
     def health(self) -> str | None:

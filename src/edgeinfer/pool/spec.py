@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 LOCAL = "local"
 UPSTREAM = "upstream"
@@ -103,3 +105,28 @@ def parse_bytes(value: str | int) -> int:
     if size <= 0:
         raise ValueError(f"a memory size must be > 0, got {value!r}")
     return size
+
+
+@dataclass(frozen=True)
+class PublicPrefixes:
+    """One model's shared prefixes (engine/public_prefix.py): completions-prompt texts and system prompts
+    shared as their chat preamble."""
+
+    texts: tuple[str, ...] = ()
+    system_prompts: tuple[str, ...] = ()
+
+
+def parse_public_prefixes(data: Mapping[str, Any]) -> dict[str, PublicPrefixes]:
+    """`{MODEL: {"texts": [...], "system_prompts": [...]}}`; ValueError naming the bad entry."""
+    out = {}
+    for model, entry in data.items():
+        if not isinstance(entry, dict) or set(entry) - {"texts", "system_prompts"}:
+            raise ValueError(f"public prefixes for {model!r}: a table with `texts` and/or `system_prompts`")
+        lists = {k: entry.get(k, []) for k in ("texts", "system_prompts")}
+        for key, values in lists.items():
+            if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+                raise ValueError(
+                    f"public prefixes for {model!r}: `{key}` must be a list of non-empty strings"
+                )
+        out[model] = PublicPrefixes(tuple(lists["texts"]), tuple(lists["system_prompts"]))
+    return out

@@ -66,7 +66,8 @@ class NodeState:
 @dataclass(frozen=True)
 class RequestFeatures:
     """What the router knows of a request before it is sent. `cached_tokens`: node_id → prompt tokens
-    estimated to be in that node's prefix cache for this tenant (e.g. from the session's last turn)."""
+    estimated to be in that node's prefix cache for this tenant (e.g. from the session's last turn).
+    `cache_salt`: the tenant's cache salt, which scopes prefix-aware choices when set."""
 
     model: str
     prompt_tokens: int
@@ -74,6 +75,7 @@ class RequestFeatures:
     affinity_key: str | None = None
     tenant: str = ""
     cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,8 @@ def _affinity_owner(
     mean_after = (sum(n.in_flight for n in pool) + 1) / total_slots
     bound = config.affinity_load_bound * mean_after
     by_id = {n.node_id: n for n in pool}
-    for node_id in rendezvous_order(f"{request.tenant}/{request.affinity_key}", list(by_id)):
+    scope = request.cache_salt or request.tenant  # a salt is hex: "/" never joins it ambiguously
+    for node_id in rendezvous_order(f"{scope}/{request.affinity_key}", list(by_id)):
         node = by_id[node_id]
         after = (node.in_flight + 1) / max(1, node.capacity)
         if after <= 1.0 or after <= bound:

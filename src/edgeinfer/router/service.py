@@ -18,6 +18,7 @@ from edgeinfer.router.policy import Decision, RequestFeatures, decide
 from edgeinfer.router.proxy import HOP_BY_HOP, Forward, Forwarder
 from edgeinfer.router.state import FleetState
 from edgeinfer.types import router_trust
+from edgeinfer.types.cache_salt import derive_salt, tenant_salt
 
 CLIENT_LOCATION_HEADER = "x-client-location"
 AFFINITY_HEADER = "x-session-affinity"
@@ -68,6 +69,14 @@ class RouterService:
         self.sessions = SessionMemory()
         self.recent_spills: deque[dict[str, object]] = deque(maxlen=RECENT_SPILLS)
         self.rng = random.Random(config.seed)
+        # The key of tenants' cache salts, from the secret routers share: every router derives the same
+        # salt for a tenant, so its prefix cache on a node is one namespace whichever router sent it.
+        secret = config.router_secret
+        self._salt_key = bytes.fromhex(derive_salt(secret, "edgeinfer-cache-salt-key")) if secret else None
+
+    def cache_salt(self, tenant: Tenant) -> str:
+        """The tenant's salt ("" without a router secret: nodes then derive namespaces themselves)."""
+        return tenant_salt(self._salt_key, tenant.name) if self._salt_key is not None else ""
 
     def client_location(self, request: Request) -> str:
         code = request.headers.get(CLIENT_LOCATION_HEADER, "").strip().upper()
@@ -90,15 +99,16 @@ class RouterService:
         body = await request.body()
         location = self.client_location(request)
         affinity = request.headers.get(AFFINITY_HEADER)
-        session = f"{tenant.name}/{affinity}" if affinity else None
+        salt = self.cache_salt(tenant)
+        # Prefix-aware choices key on the salt (hex, so "/" cannot be part of it) where there is one.
+        session = f"{salt or tenant.name}/{affinity}" if affinity else None
         tokens = len(body) // BYTES_PER_TOKEN
-        features = RequestFeatures(
-            model, tokens, location, affinity, tenant.name, self.sessions.cached_tokens(session, tokens)
-        )
+        cached = self.sessions.cached_tokens(session, tokens)
+        features = RequestFeatures(model, tokens, location, affinity, tenant.name, cached, salt)
         if self.placement is not None:
             self.placement.demand.add(location, model)
         decision = self._decide(features)
-        headers = self._node_headers(request, tenant, location)
+        headers = self._node_headers(request, tenant, location, salt)
         forward = Forward(request.url.path, body, headers, location, started)
         response = await self.forwarder.forward(request, forward, decision.ranked)
         node_id = response.headers.get("x-edgeinfer-node")
@@ -129,12 +139,13 @@ class RouterService:
             )
         return decision
 
-    def _node_headers(self, request: Request, tenant: Tenant, location: str) -> dict[str, str]:
+    def _node_headers(self, request: Request, tenant: Tenant, location: str, salt: str) -> dict[str, str]:
         """The client's headers minus connection-level ones and any tenant header it sent (only a
         router may set those), plus the signed tenant and the resolved client location."""
         strip = HOP_BY_HOP | set(router_trust.TRUST_HEADERS)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in strip}
         headers[CLIENT_LOCATION_HEADER] = location
         if self.config.router_secret is not None:
-            headers.update(router_trust.signed_headers(self.config.router_secret, tenant.name, time.time()))
+            secret = self.config.router_secret
+            headers.update(router_trust.signed_headers(secret, tenant.name, time.time(), salt))
         return headers

@@ -18,7 +18,9 @@ class FinishReason(str, enum.Enum):
 
 @dataclass
 class EngineRequest:
-    """One generation request. `cache_namespace` is set by the server, never by a client."""
+    """One generation request. `cache_namespace` is set by the server, never by a client;
+    `tenant_weight` and `cache_share` are the tenant's weights in the fair share of prefill and of
+    cached KV blocks (from the tenants file)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -28,6 +30,8 @@ class EngineRequest:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_namespace: str = ""
+    tenant_weight: float = 1.0
+    cache_share: float = 1.0
 
 
 @dataclass

@@ -28,6 +28,9 @@ class Request:
     priority: int = 0
     arrival_time: float = 0.0
     cache_namespace: str = ""
+    tenant: str = ""
+    weight: float = 1.0  # the tenant's weight in the fair share of prefill (fairness.py)
+    cache_share: float = 1.0  # the tenant's weight in the share of cached blocks (kv_cache/eviction.py)
     enqueue_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -47,6 +50,9 @@ class Request:
             priority=req.priority,
             arrival_time=req.arrival_time,
             cache_namespace=req.cache_namespace,
+            tenant=req.tenant,
+            weight=req.tenant_weight,
+            cache_share=req.cache_share,
             enqueue_time=now,
         )
 

@@ -5,16 +5,22 @@ the token of anyone already generating — then waiting requests are admitted wh
 blocks last. When a running request needs a block and none is free, the most recently admitted
 (or, with the priority policy, the least important) unscheduled request is preempted: its blocks are
 freed and it is recomputed later from its tokens, which the prefix cache often still holds.
+
+With `fair_share` (the default), prefill work — running requests still prefilling and waiting ones —
+is handed out across tenants by weighted fair share (fairness.py) instead of in arrival order across
+everyone; within a tenant, and under the priority policy across tenants, the old order holds.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.kv_cache.manager import blocks_for
+from edgeinfer.engine.scheduler.fairness import FairShare
 from edgeinfer.engine.scheduler.output import ScheduledChunk, SchedulerOutput
 from edgeinfer.engine.scheduler.queue import make_queue
 from edgeinfer.engine.scheduler.request import Request, RequestStatus
@@ -28,6 +34,7 @@ class SchedulerConfig:
     max_model_len: int
     batch_window_ms: float = 0.0
     policy: str = "fcfs"
+    fair_share: bool = True
 
 
 class Scheduler:
@@ -41,6 +48,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.fair = FairShare()
         self._finished: list[str] = []
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -59,6 +67,7 @@ class Scheduler:
         if blocks_for(n + 1, self.kv.block_size) > self.kv.pool.num_blocks:
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache can ever hold")
         req.enqueue_time = self.clock()
+        self.kv.pool.set_share(req.tenant, req.cache_share)
         self.requests[req.request_id] = req
         self.waiting.push(req)
 
@@ -100,23 +109,72 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled: set[str] = set()
         # Decodes (one token owed) before partial prefills; sorted() is stable, so arrival order holds.
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        ordered = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        prefills = [r for r in ordered if r.num_tokens - r.num_computed_tokens > 1]
+        for req in ordered if not self.config.fair_share else ordered[: len(ordered) - len(prefills)]:
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            table = self._allocate_or_preempt(req, n, scheduled, out)
-            if table is None:
-                continue
-            out.chunks.append(self._chunk(req, n, table))
-            scheduled.add(req.request_id)
-            budget -= n
-        if not out.preempted and self._admission_open():
+            budget -= self._continue(req, budget, scheduled, out)
+        admit = not out.preempted and self._admission_open()
+        if self.config.fair_share:
+            self._fair_prefill(prefills, budget, admit, scheduled, out)
+        elif admit:
             self._admit(budget, out)
         out.finished = self._finished
         self._finished = []
         return out
+
+    def _continue(self, req: Request, budget: int, scheduled: set[str], out: SchedulerOutput) -> int:
+        """Schedule a running request's next tokens; returns how many (0: it was preempted)."""
+        if req.status != RequestStatus.RUNNING:
+            return 0  # preempted earlier in this step
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        table = self._allocate_or_preempt(req, n, scheduled, out)
+        if table is None:
+            return 0
+        out.chunks.append(self._chunk(req, n, table))
+        scheduled.add(req.request_id)
+        return n
+
+    def _fair_prefill(
+        self, prefills: list[Request], budget: int, admit: bool, scheduled: set[str], out: SchedulerOutput
+    ) -> None:
+        """Give the budget, one request's chunk at a time, to the least-served tenant with prefill work."""
+        lanes = self._lanes(prefills, list(self.waiting) if admit else [])
+        self.fair.start_step(set(lanes))
+        while budget > 0 and lanes:
+            tenant = min(lanes, key=lambda t: (self._rank(lanes[t][0][0]), self.fair.service[t]))
+            req, waiting = lanes[tenant].popleft()
+            if not lanes[tenant]:
+                del lanes[tenant]
+            if not waiting:
+                n = self._continue(req, budget, scheduled, out)
+            elif out.preempted or len(self.running) >= self.config.max_num_seqs:
+                n = 0  # no seat (or blocks are short): waiting requests stay queued this step
+            else:
+                n = self._admit_one(req, budget, out) or 0
+                if n == 0:  # the pool is short: admit no one this step (as FCFS stops at its head)
+                    lanes = _running_only(lanes)
+                    continue
+                self.waiting.remove(req.request_id)
+            self.fair.charge(tenant, n, req.weight)
+            budget -= n
+
+    def _lanes(
+        self, prefills: list[Request], waiting: list[Request]
+    ) -> dict[str, deque[tuple[Request, bool]]]:
+        """Per tenant, its prefill work in scheduling order: (request, is it waiting)."""
+        items = [(r, False) for r in prefills] + [(r, True) for r in waiting]
+        if self.config.policy == "priority":
+            items.sort(key=lambda i: (i[0].priority, i[1], i[0].arrival_time))
+        lanes: dict[str, deque[tuple[Request, bool]]] = {}
+        for item in items:
+            lanes.setdefault(item[0].tenant, deque()).append(item)
+        return lanes
+
+    def _rank(self, req: Request) -> int:
+        """Priority classes come before fairness: a more important request goes first whoever sent it."""
+        return req.priority if self.config.policy == "priority" else 0
 
     def _allocate_or_preempt(
         self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput
@@ -161,24 +219,31 @@ class Scheduler:
 
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         while len(self.waiting) and len(self.running) < self.config.max_num_seqs and budget > 0:
-            req = self.waiting.peek()
-            tokens = req.all_token_ids
-            prefix, cached = [], 0
-            if req.sampling.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
-                prefix, cached = self.kv.lookup(req.cache_namespace, tokens)
-            n = min(len(tokens) - cached, budget)
-            table = self.kv.allocate(req.request_id, cached + n, prefix, req.cache_namespace)
-            if table is None:
+            n = self._admit_one(self.waiting.peek(), budget, out)
+            if n is None:
                 break
             self.waiting.pop()
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = cached
-                req.first_scheduled_time = self.clock()
-            req.num_computed_tokens = cached
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.chunks.append(self._chunk(req, n, table))
             budget -= n
+
+    def _admit_one(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Start (or restart) a waiting request with up to `budget` tokens; None when the KV pool lacks
+        blocks for it. The caller takes it off the waiting queue."""
+        tokens = req.all_token_ids
+        prefix, cached = [], 0
+        if req.sampling.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
+            prefix, cached = self.kv.lookup(req.cache_namespace, tokens)
+        n = min(len(tokens) - cached, budget)
+        table = self.kv.allocate(req.request_id, cached + n, prefix, req.cache_namespace, req.tenant)
+        if table is None:
+            return None
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = cached
+            req.first_scheduled_time = self.clock()
+        req.num_computed_tokens = cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.chunks.append(self._chunk(req, n, table))
+        return n
 
     @staticmethod
     def _chunk(req: Request, n: int, table: list[int]) -> ScheduledChunk:
@@ -224,3 +289,8 @@ class Scheduler:
             raise AssertionError(
                 f"blocks held by requests not running: {sorted(set(self.kv.tables) - running)}"
             )
+
+
+def _running_only(lanes: dict[str, deque[tuple[Request, bool]]]) -> dict[str, deque[tuple[Request, bool]]]:
+    kept = {t: deque(item for item in q if not item[1]) for t, q in lanes.items()}
+    return {t: q for t, q in kept.items() if q}
