@@ -96,6 +96,13 @@ def chat_job(body: ChatCompletionRequest, raw: dict[str, Any], limits: NodeLimit
     )
 
 
+def check_one_workers_ai_input(body: WorkersAIRunRequest) -> None:
+    """The Workers-AI body carries one input: `prompt` or `messages` (generation), or `text` (embeddings).
+    Checked before the model's task is known, by nodes and routers alike, with one message."""
+    if sum(field is not None for field in (body.prompt, body.messages, body.text)) > 1:
+        raise bad_request("send exactly one of `prompt`, `messages` (text generation) or `text` (embeddings)")
+
+
 def workers_ai_job(model: str, body: WorkersAIRunRequest, raw: dict[str, Any], limits: NodeLimits) -> Job:
     """`prompt` is wrapped as one user message in the chat template unless `raw` is true."""
     refuse_tools(raw, "the Workers-AI route")

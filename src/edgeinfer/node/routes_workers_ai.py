@@ -11,8 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from edgeinfer.node.auth import AuthTenant
 from edgeinfer.node.embedding_run import STATUS_CLIENT_CLOSED
 from edgeinfer.node.embeddings import workers_ai_body, workers_ai_embedding_job
-from edgeinfer.node.errors import bad_request
-from edgeinfer.node.prepare import workers_ai_job
+from edgeinfer.node.prepare import check_one_workers_ai_input, workers_ai_job
 from edgeinfer.node.render import WorkersAIRenderer
 from edgeinfer.node.schemas import WorkersAIRunRequest
 from edgeinfer.pool.member import EMBED
@@ -30,8 +29,7 @@ async def run_model(
 ) -> Response:
     """Run a model. The account id is accepted for compatibility; the API key decides the tenant."""
     service = request.app.state.service
-    if sum(field is not None for field in (body.prompt, body.messages, body.text)) > 1:
-        raise bad_request("send exactly one of `prompt`, `messages` (text generation) or `text` (embeddings)")
+    check_one_workers_ai_input(body)
     if service.model_task(model) == EMBED:
         return await _embed(model, body, request, tenant)
     job = workers_ai_job(model, body, await request.json(), service.limits)

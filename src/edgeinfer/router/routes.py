@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from edgeinfer.node.embeddings import openai_embedding_job, workers_ai_embedding_job
-from edgeinfer.node.prepare import chat_job, completion_job, workers_ai_job
+from edgeinfer.node.prepare import chat_job, check_one_workers_ai_input, completion_job, workers_ai_job
 from edgeinfer.node.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,6 +64,7 @@ async def run_model(
     """Validated as the node does: a model that the fleet serves for embeddings takes `text`, any other
     model the text-generation shape."""
     service = request.app.state.service
+    check_one_workers_ai_input(body)
     if service.is_embedding_model(model):
         job = workers_ai_embedding_job(model, body, service.config.limits)
     else:
