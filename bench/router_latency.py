@@ -20,7 +20,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-BEGIN, END = "<!-- router-latency:begin -->", "<!-- router-latency:end -->"
+sys.path.insert(0, str(ROOT / "bench"))
+from docs_table import replace_section  # noqa: E402
+
+SECTION = "router-latency"
 LEVELS = ((1, 60), (64, 384), (256, 1024))  # (concurrency, requests)
 
 
@@ -181,7 +184,7 @@ def main() -> int:
     report = render(rows, load_before, os.getloadavg()[0])
     print(report)
     if args.write:
-        write_section(Path(args.write), report)
+        replace_section(Path(args.write), SECTION, report)
     return 0
 
 
@@ -200,7 +203,6 @@ def render(rows: list[str], load_before: float, load_after: float) -> str:
     version = next((line.split()[1] for line in sgl.stdout.splitlines() if line.startswith("Version")), "?")
     return "\n".join(
         [
-            BEGIN,
             "### Router: added latency (edgeinfer router vs sglang-router)",
             "",
             f"Machine: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}; 1-min load "
@@ -215,18 +217,8 @@ def render(rows: list[str], load_before: float, load_after: float) -> str:
             "| target | concurrency | ok/failed | TTFT p50 / p99 ms | added p50 / p99 ms | requests/s |",
             "|---|---|---|---|---|---|",
             *rows,
-            END,
         ]
     )
-
-
-def write_section(path: Path, report: str) -> None:
-    text = path.read_text()
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + report + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip() + "\n\n" + report + "\n"
-    path.write_text(text)
 
 
 if __name__ == "__main__":

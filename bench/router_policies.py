@@ -29,12 +29,13 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
+from docs_table import replace_section  # noqa: E402
 from helpers.tiny_models import make_tiny  # noqa: E402
 
 from edgeinfer.fleet.nats_server import start_nats  # noqa: E402
 
-BEGIN, END = "<!-- router-policies:begin -->", "<!-- router-policies:end -->"
+SECTION = "router-policies"
 STRATEGIES = ("ttft", "nearest", "least_loaded")
 LOCATIONS = (("FRA", 50.03, 8.57), ("AMS", 52.31, 4.76), ("LHR", 51.47, -0.45))
 RTT_MS = {"FRA-AMS": 20.0, "FRA-LHR": 30.0, "AMS-LHR": 16.0}  # emulated round trips
@@ -232,7 +233,7 @@ def main() -> int:
     report = render(args, results, capacity, rate, load_before, os.getloadavg()[0])
     print(report)
     if args.write:
-        write_section(Path(args.write), report)
+        replace_section(Path(args.write), SECTION, report)
     return 0
 
 
@@ -266,7 +267,6 @@ def render(
     rtts = ", ".join(f"{k} {v:.0f} ms" for k, v in RTT_MS.items())
     return "\n".join(
         [
-            BEGIN,
             "### Router: policy comparison on a 3-location loopback fleet (`--emulate-rtt`, skewed demand)",
             "",
             f"Machine: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}; 1-min load average "
@@ -288,18 +288,8 @@ def render(
             "| FRA clients sent away |",
             "|---|---|---|---|---|---|---|",
             *rows,
-            END,
         ]
     )
-
-
-def write_section(path: Path, report: str) -> None:
-    text = path.read_text()
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + report + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip() + "\n\n" + report + "\n"
-    path.write_text(text)
 
 
 if __name__ == "__main__":
