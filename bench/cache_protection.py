@@ -200,7 +200,7 @@ def main() -> int:
     load_after = os.getloadavg()[0]
     body = "\n".join(
         [
-            "## Shared-cache protection (bench/cache_protection.py)",
+            "### Shared-cache protection (bench/cache_protection.py)",
             "",
             f"`python bench/cache_protection.py{' --quick' if args.quick else ''}` on "
             f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores; {cpu_flags()}); "
