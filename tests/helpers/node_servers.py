@@ -9,13 +9,11 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.node.app import create_app
@@ -26,6 +24,7 @@ from edgeinfer.pool.loader import EngineLoader
 from edgeinfer.pool.manager import ModelPool
 from edgeinfer.pool.spec import LOCAL, UPSTREAM, MemberSpec
 from helpers.node_engine import TEST_ENGINE
+from helpers.uvicorn_thread import UvicornThread
 
 
 class LiveServer:
@@ -34,29 +33,20 @@ class LiveServer:
     def __init__(self, app: Any, service: NodeService) -> None:
         self.service = service
         config = uvicorn_config(app, app.state.node_config, "127.0.0.1", 0, log_level="warning")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="test-node", daemon=True)
+        self._thread = UvicornThread(config, "test-node")
         self.url = ""
 
     def start(self, timeout: float = 60.0) -> LiveServer:
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("test node server did not start")
-            time.sleep(0.01)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = self._thread.start(timeout)
         return self
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(30)
+        self._thread.stop(30)
 
     def shrink_send_buffers(self, size: int = 4096) -> int:
         """Give every open connection a small kernel send buffer, as a slow network would (loopback's
         autotuned buffers take megabytes before a writer notices that nobody reads). Returns how many."""
-        connections = list(self._server.server_state.connections)
+        connections = list(self._thread.server.server_state.connections)
         for protocol in connections:
             protocol.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
         return len(connections)

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from edgeinfer.node.keys import hash_key
 from edgeinfer.router.app import create_router_app
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.fleet_file import Fleet
+from helpers.uvicorn_thread import UvicornThread
 
 SECRET = b"router-test-secret-0123456789"
 KEYS = {"alice": "alice-key", "bob": "bob-key"}
@@ -105,18 +105,11 @@ class RouterThread:
     def __init__(self, config: RouterConfig, fleet: Fleet) -> None:
         self.app = create_router_app(config, fleet)
         server_config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning")
-        self._server = uvicorn.Server(server_config)
-        self._thread = threading.Thread(target=self._server.run, name="test-router", daemon=True)
+        self._thread = UvicornThread(server_config, "test-router")
         self.url = ""
 
     def start(self, timeout: float = 30.0) -> RouterThread:
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("router did not start")
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self._server.servers[0].sockets[0].getsockname()[1]}"
+        self.url = self._thread.start(timeout)
         return self
 
     @property
@@ -133,8 +126,7 @@ class RouterThread:
         raise AssertionError(f"router never heard from {node_ids - seen}")
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(20)
+        self._thread.stop(20)
 
 
 def write_tenants(workdir: Path) -> Path:
