@@ -50,7 +50,7 @@ def _bf16(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-# K: whole vectors, and tails that the masked / scalar remainders take; N: whole and partial 4-row tiles
+# K: whole vectors, and tails that the masked / scalar remainders take; N: whole and partial 8-row tiles
 @pytest.mark.parametrize("n,k", [(256, 640), (37, 100), (5, 7), (130, 2048)])
 def test_bf16_gemv_matches_a_float64_product_at_every_level_the_cpu_has(ops, capped, n, k):
     w = _bf16(n, k, seed=n)

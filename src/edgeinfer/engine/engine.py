@@ -17,7 +17,7 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.kv_cache.hashing import PUBLIC_NAMESPACE
-from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, resolve_dtype
+from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, resolve_dtype, uses_cpu_gemv
 from edgeinfer.engine.model.compile import use_persistent_compile_cache
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
@@ -112,6 +112,7 @@ class LLMEngine:
             vocab_limit=self.tokenizer.vocab_size,
             compile=config.compile,
             guidance_tokenizer=guidance,
+            decode_ops=uses_cpu_gemv(self.model),
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

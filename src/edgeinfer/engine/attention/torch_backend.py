@@ -73,9 +73,15 @@ def _grouped_decode(
 
 @register_backend("torch")
 class TorchPagedBackend(AttentionBackend):
+    # Set by `kernels.decode.use_decode_ops`: a one-sequence decode step over a plain bf16 cache takes
+    # one call of our `paged_decode_one` (write, then attend over the blocks where they lie) per layer.
+    decode_ops = False
+
     def attend(self, layer, q, k, v, scale, window=None, softcap=None):
         meta = self.meta
         assert meta is not None, "begin() must be called before attend()"
+        if self._takes_decode_op(meta, q, softcap):
+            return self._decode_one(layer, q, k, v, meta, scale, window)
         self.storage.write(layer, meta.slot_mapping, k, v)
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
@@ -87,6 +93,25 @@ class TorchPagedBackend(AttentionBackend):
                 layer, i, q[s : s + n], k[s : s + n], v[s : s + n], meta, scale, window, softcap
             )
         return out
+
+    def _takes_decode_op(self, meta: AttentionMetadata, q: torch.Tensor, softcap: float | None) -> bool:
+        return (
+            self.decode_ops
+            and meta.num_decodes == meta.num_seqs == 1
+            and softcap is None
+            and q.dtype == torch.bfloat16
+            and self.storage.lossless
+            and not torch.compiler.is_compiling()
+        )
+
+    def _decode_one(self, layer, q, k, v, meta: AttentionMetadata, scale, window) -> torch.Tensor:
+        if "slot" not in meta.cache:  # one read of the step's slot, not one per layer
+            meta.cache["slot"] = int(meta.slot_mapping[0])
+        k_pool, v_pool = self.storage.k[layer].data, self.storage.v[layer].data
+        ctx = meta.context_lens[0]
+        return torch.ops.edgeinfer_cpu.paged_decode_one(
+            q, k, v, k_pool, v_pool, meta.cache["slot"], meta.block_tables[0], ctx, scale, window or 0
+        )
 
     def _decode(self, layer, q, meta: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
         nd = meta.num_decodes

@@ -9,6 +9,7 @@ from torch import nn
 
 from edgeinfer.engine.attention import KVCacheStorage, get_attention_backend
 from edgeinfer.engine.model.compile import DecodeCompiledForward
+from edgeinfer.engine.quant.kernels.decode import use_decode_ops
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.inputs import StepInputs, build_inputs
 from edgeinfer.engine.runner.sampler import Sampler, top_logprobs
@@ -45,12 +46,15 @@ class ModelRunner:
         vocab_limit: int | None = None,
         compile: bool = False,
         guidance_tokenizer: LazyGuidanceTokenizer | None = None,
+        decode_ops: bool = False,
     ) -> None:
         self.model = model
         self.compiled = DecodeCompiledForward(model) if compile else None
         self.storage = storage
         self.device = device
         self.backend = get_attention_backend(backend, storage)
+        if decode_ops:  # the model runs on our CPU kernels, so they are built and loaded
+            use_decode_ops(model, self.backend)
         self.sampler = Sampler(vocab_limit)
         self.grammar = GrammarRuntime(guidance_tokenizer) if guidance_tokenizer is not None else None
         self.num_steps = 0

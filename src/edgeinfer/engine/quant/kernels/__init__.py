@@ -1,4 +1,5 @@
-"""Our CPU GEMV kernels (cpu_gemv.cpp, bf16_gemv.cpp): built at first use, picked by CPU feature at run time.
+"""Our CPU kernels (cpu_gemv.cpp, bf16_gemv.cpp, decode_ops.cpp): built at first use, picked by CPU
+feature at run time.
 
 `load()` builds the extension with torch's C++ toolchain (a C++ compiler and ninja; ~20 s once, then
 cached per source under `$TORCH_EXTENSIONS_DIR` or our cache dir) and registers `torch.ops.edgeinfer_cpu.*`.
@@ -16,6 +17,8 @@ use; `EDGEINFER_CPU_ISA` (scalar, avx2, avx512, avx512_vnni) caps it, for tests 
   number of rows (the int8 dot products outrun a bf16 GEMM on the dequantized weight even at 512 rows).
 - `bf16_gemv(x, w)` / `bf16_gemv_out(x, w, out)`: bf16 `[M, K]` x bf16 weight `[N, K]` (row-major, as
   stored) with fp32 sums, into bf16 or fp32 (bf16.py: float models' linear layers and lm_head at few rows).
+- `rms_norm(x, weight, eps, round_first)` and `paged_decode_one(q, k, v, k_pool, v_pool, slot, blocks, ctx,
+  scale, window)`: the small ops of a one-sequence decode step, one call each (decode.py).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("isa.cpp", "cpu_gemv.cpp", "bf16_gemv.cpp")]
+_SOURCE_NAMES = ("isa.cpp", "cpu_gemv.cpp", "bf16_gemv.cpp", "decode_ops.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in _SOURCE_NAMES]
 # int8 inputs of up to this many rows take `int8_gemv` (wider ones `_int_mm`). Measured at 1 thread
 # (AVX512-VNNI) on the 262k x 640 Gemma lm_head at 1 / 4 / 16 rows: 7.8 / 8.3 / 35 ms, `_int_mm` 37 / 37 / 39.
 GEMV_ROWS = 16
@@ -155,6 +159,25 @@ def _register_fakes() -> None:
     @torch.library.register_fake("edgeinfer_cpu::bf16_gemv_out")
     def _bf16_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         return None
+
+    @torch.library.register_fake("edgeinfer_cpu::rms_norm")
+    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("edgeinfer_cpu::paged_decode_one")
+    def _decode_one(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slot: int,
+        blocks: torch.Tensor,
+        ctx: int,
+        scale: float,
+        window: int,
+    ) -> torch.Tensor:
+        return q.new_empty((1, q.shape[1], v_pool.shape[-1]))
 
     @torch.library.register_fake("edgeinfer_cpu::int4_gemv")
     def _int4(

@@ -1,0 +1,246 @@
+// The small ops of a one-sequence decode step, one call each instead of a dozen torch ops.
+//
+// At one sequence a step of a small model is mostly the cost of calling ops, not of their arithmetic
+// (Gemma 3 270M: ~2,000 torch calls, ~25 ms of a ~50 ms bf16 step at 2 threads). Two groups repay a
+// kernel of their own:
+//
+//   rms_norm:         RMSNorm of bf16 rows in fp32, with either family's rounding (below);
+//   paged_decode_one: write one token's K/V into the paged bf16 cache, then attend its query heads over
+//                     the sequence's blocks where they lie (no gather into a contiguous copy).
+//
+// Each rounds where the torch ops they replace round (bf16 matmul outputs, bf16 probabilities), so the
+// results match the eager path up to the order of fp32 sums. Sums run on AVX-512 where the CPU has it
+// (isa.h), else in plain loops.
+
+#include "isa.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define EDGEINFER_X86 1
+#else
+#define EDGEINFER_X86 0
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using edgeinfer_cpu::Isa;
+
+inline float to_float(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float round_bf16(float f) { return static_cast<float>(c10::BFloat16(f)); }
+
+// bf16 row -> fp32 row.
+void widen_scalar(const uint16_t* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_float(x[i]);
+}
+
+// sum_i a[i] * b[i] over fp32 rows.
+float dot_scalar(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y[i] += p * x[i].
+void axpy_scalar(float p, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
+}
+
+#if EDGEINFER_X86
+EDGEINFER_TARGET_AVX512 float dot_avx512(const float* a, const float* b, int64_t n) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1;
+    acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+EDGEINFER_TARGET_AVX512 void widen_avx512(const uint16_t* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1;
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + i));
+    _mm512_mask_storeu_ps(out + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+}
+
+EDGEINFER_TARGET_AVX512 void axpy_avx512(float p, const float* x, float* y, int64_t n) {
+  const __m512 pv = _mm512_set1_ps(p);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1;
+    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+#endif
+
+struct Vec {
+  void (*widen)(const uint16_t*, float*, int64_t);
+  float (*dot)(const float*, const float*, int64_t);
+  void (*axpy)(float, const float*, float*, int64_t);
+};
+
+Vec pick() {
+#if EDGEINFER_X86
+  if (edgeinfer_cpu::isa_allows(Isa::kAvx512)) return {widen_avx512, dot_avx512, axpy_avx512};
+#endif
+  return {widen_scalar, dot_scalar, axpy_scalar};
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------------------------
+
+// y = x / rms(x) * w in fp32, rounded to bf16 once (Gemma: `w` is the fp32 `1 + weight`); with
+// `round_first`, the normalised row is rounded to bf16 before the bf16 weight multiplies it, and the
+// product rounded again (Llama, Qwen: `weight * norm(x).to(bf16)`).
+void norm_row(const uint16_t* x, const float* w, float eps, bool round_first, c10::BFloat16* y, int64_t d,
+              const Vec& v, float* buf) {
+  v.widen(x, buf, d);
+  const float inv = 1.f / std::sqrt(v.dot(buf, buf, d) / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i)
+    y[i] = round_first ? c10::BFloat16(round_bf16(buf[i] * inv) * w[i]) : c10::BFloat16(buf[i] * inv * w[i]);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool round_first) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "rms_norm: x must be contiguous bf16");
+  const int64_t d = x.size(-1), rows = d ? x.numel() / d : 0;
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d, "rms_norm: weight must be [", d, "]");
+  // the weight as fp32 values: Gemma's scale is fp32 already, a bf16 weight widens exactly
+  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  auto out = at::empty_like(x);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* yp = out.data_ptr<at::BFloat16>();
+  const float* wp = w.data_ptr<float>();
+  const Vec v = pick();
+  const auto e = static_cast<float>(eps);
+  // rows of a decode step run on the calling thread: a parallel region costs more than they do
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(d, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(d);
+    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * d, wp, e, round_first, yp + r * d, d, v, buf.data());
+  });
+  return out;
+}
+
+// ---- Paged decode attention, one sequence ---------------------------------------------------------
+
+struct DecodeShape {
+  int64_t hq, hkv, d, dv, block_size, ctx, first;  // `first`: the first key a sliding window lets in
+};
+
+// Softmax of the fp32 scores in place, then rounded to bf16 as `probs.to(bf16)` does.
+void softmax_bf16(float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+  for (int64_t j = 0; j < n; ++j) s[j] = round_bf16(s[j] / sum);
+}
+
+// The query heads of one KV head against its keys [first, ctx): scores as a bf16 matmul rounds them,
+// scaled in fp32, softmax, then the bf16 probabilities times V with fp32 sums. Each K and V row is
+// widened to fp32 once for the whole group.
+void attend_group(const float* q, int64_t group, const uint16_t* const* k_rows, const uint16_t* const* v_rows,
+                  const DecodeShape& s, float scale, c10::BFloat16* out, const Vec& v, std::vector<float>& buf) {
+  const int64_t n = s.ctx - s.first;
+  buf.resize(group * n + s.d + group * s.dv);
+  float *scores = buf.data(), *row = scores + group * n, *acc = row + s.d;
+  for (int64_t j = 0; j < n; ++j) {
+    v.widen(k_rows[j], row, s.d);
+    for (int64_t g = 0; g < group; ++g) scores[g * n + j] = round_bf16(v.dot(q + g * s.d, row, s.d)) * scale;
+  }
+  for (int64_t g = 0; g < group; ++g) softmax_bf16(scores + g * n, n);
+  std::fill(acc, acc + group * s.dv, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    v.widen(v_rows[j], row, s.dv);
+    for (int64_t g = 0; g < group; ++g) v.axpy(scores[g * n + j], row, acc + g * s.dv, s.dv);
+  }
+  for (int64_t i = 0; i < group * s.dv; ++i) out[i] = c10::BFloat16(acc[i]);
+}
+
+void check_pool(const at::Tensor& pool, const at::Tensor& x, const char* name) {
+  TORCH_CHECK(pool.dim() == 4 && pool.scalar_type() == at::kBFloat16 && pool.is_contiguous(), "paged_decode_one: ",
+              name, " pool must be contiguous bf16 [blocks, block_size, heads, dim]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.numel() == pool.size(2) * pool.size(3), "paged_decode_one: ",
+              name, " must be one token's bf16 [1, heads, dim] of the pool's shape");
+}
+
+// Writes k, v [1, Hkv, D] at flat `slot` of the pools, then returns the attention of q [1, Hq, D] over
+// the sequence's `ctx` tokens in `blocks` [n] (window > 0: only the last `window` keys).
+at::Tensor paged_decode_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
+                            at::Tensor& v_pool, int64_t slot, const at::Tensor& blocks, int64_t ctx, double scale,
+                            int64_t window) {
+  check_pool(k_pool, k, "k");
+  check_pool(v_pool, v, "v");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(0) == 1 && q.size(2) == k_pool.size(3),
+              "paged_decode_one: q must be bf16 [1, heads, head_dim]");
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 1, "paged_decode_one: blocks must be int64 [n]");
+  const DecodeShape s{q.size(1), k_pool.size(2), k_pool.size(3), v_pool.size(3), k_pool.size(1), ctx,
+                      window > 0 ? std::max<int64_t>(0, ctx - window) : 0};
+  TORCH_CHECK(s.hq % s.hkv == 0, "paged_decode_one: query heads must be a multiple of KV heads");
+  TORCH_CHECK(ctx >= 1 && blocks.size(0) * s.block_size >= ctx, "paged_decode_one: ", blocks.size(0),
+              " blocks cannot hold ", ctx, " tokens");
+  TORCH_CHECK(slot >= 0 && slot < k_pool.size(0) * s.block_size, "paged_decode_one: slot out of range");
+  const auto* kb = reinterpret_cast<uint16_t*>(k_pool.data_ptr<at::BFloat16>());
+  const auto* vb = reinterpret_cast<uint16_t*>(v_pool.data_ptr<at::BFloat16>());
+  std::memcpy(k_pool.data_ptr<at::BFloat16>() + slot * s.hkv * s.d, k.contiguous().data_ptr<at::BFloat16>(),
+              s.hkv * s.d * 2);
+  std::memcpy(v_pool.data_ptr<at::BFloat16>() + slot * s.hkv * s.dv, v.contiguous().data_ptr<at::BFloat16>(),
+              s.hkv * s.dv * 2);
+  const int64_t* ids = blocks.data_ptr<int64_t>();
+  for (int64_t b = 0; b * s.block_size < ctx; ++b)
+    TORCH_CHECK(ids[b] >= 0 && ids[b] < k_pool.size(0), "paged_decode_one: block id ", ids[b], " out of range");
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  auto out = at::empty({1, s.hq, s.dv}, q.options());
+  const Vec vec = pick();
+  const int64_t group = s.hq / s.hkv;
+  // KV heads split across threads only when the context is long enough to repay a parallel region
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(ctx * group, 1));
+  at::parallel_for(0, s.hkv, grain, [&](int64_t h0, int64_t h1) {
+    std::vector<const uint16_t*> k_rows(ctx - s.first), v_rows(ctx - s.first);
+    std::vector<float> buf;
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t t = s.first; t < ctx; ++t) {
+        const int64_t flat = ids[t / s.block_size] * s.block_size + t % s.block_size;
+        k_rows[t - s.first] = kb + (flat * s.hkv + h) * s.d;
+        v_rows[t - s.first] = vb + (flat * s.hkv + h) * s.dv;
+      }
+      attend_group(qf.data_ptr<float>() + h * group * s.d, group, k_rows.data(), v_rows.data(), s,
+                   static_cast<float>(scale), out.data_ptr<at::BFloat16>() + h * group * s.dv, vec, buf);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool round_first) -> Tensor");
+  m.def(
+      "paged_decode_one(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, int slot, "
+      "Tensor blocks, int ctx, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("paged_decode_one", paged_decode_one);
+}

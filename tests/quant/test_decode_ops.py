@@ -1,0 +1,131 @@
+"""Our one-call decode ops (quant/kernels/decode_ops.cpp) against the torch ops they replace, at every
+instruction-set level this CPU runs, and switched on for models that run on our kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from edgeinfer.engine.attention import KVCacheStorage
+from edgeinfer.engine.attention.metadata import AttentionMetadata
+from edgeinfer.engine.attention.storage import KVSpec
+from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
+from edgeinfer.engine.config import EngineConfig
+from edgeinfer.engine.engine import LLMEngine
+from edgeinfer.engine.model.layers.norm import RMSNorm
+from edgeinfer.engine.quant import kernels
+from edgeinfer.types import SamplingParams
+
+LEVELS = ("scalar", "avx512")  # the ops' two variants (plain loops, AVX-512)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    try:
+        kernels.load()
+    except kernels.KernelBuildError as e:  # no compiler, or not x86
+        pytest.skip(f"the CPU kernels cannot be built here: {e}")
+    return torch.ops.edgeinfer_cpu
+
+
+@pytest.fixture(params=LEVELS)
+def level(request, ops) -> Iterator[str]:
+    """Each variant in turn (the AVX-512 one only where the CPU has it)."""
+    ops.set_isa_cap(request.param)
+    if request.param != "scalar" and ops.isa() == "scalar":
+        pytest.skip("no AVX-512 here")
+    yield request.param
+    ops.set_isa_cap(kernels.ISA_LEVELS[-1])
+
+
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart each pair is (same-sign values: their bit patterns' distance)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("unit_offset", [True, False], ids=["gemma", "llama"])
+@pytest.mark.parametrize("shape", [(1, 640), (3, 4, 256), (70, 100)])
+def test_rms_norm_rounds_as_the_torch_norm(level, unit_offset, shape):
+    norm = RMSNorm(shape[-1], 1e-6, unit_offset).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(_bf16(shape[-1], seed=1) * 0.3)
+    x = _bf16(*shape, seed=2) * 4
+    eager = norm(x)
+    norm.kernel = True
+    fast = norm(x)
+    assert fast.shape == eager.shape and fast.dtype == torch.bfloat16
+    # the fp32 sum of squares in another order moves a result by at most one bf16 step, and rarely
+    apart = _ulps_apart(fast, eager)
+    assert apart.max() <= 1 and apart.float().mean() < 0.02, (apart.max(), apart.float().mean())
+
+
+def _storage(heads: int, dim: int, blocks: int) -> KVCacheStorage:
+    storage = KVCacheStorage(KVSpec(1, heads, dim, heads, dim), blocks, 16, torch.bfloat16, torch.device("cpu"))
+    for pool in (storage.k[0], storage.v[0]):
+        pool.data[1:] = _bf16(*pool.data[1:].shape, seed=pool.data.numel() % 97)  # block 0 stays zero
+    return storage
+
+
+def _meta(ctx: int, table: list[int]) -> AttentionMetadata:
+    slot = table[(ctx - 1) // 16] * 16 + (ctx - 1) % 16
+    return AttentionMetadata(
+        slot_mapping=torch.tensor([slot]),
+        query_starts=[0],
+        query_lens=[1],
+        context_lens=[ctx],
+        block_tables=torch.tensor([table + [0]]),  # padded with the null block, as the runner pads
+        num_decodes=1,
+        block_size=16,
+    )
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("ctx", [1, 37, 48])
+def test_paged_decode_one_matches_the_gather_path(level, window, ctx):
+    hq, hkv, d, table = 4, 2, 64, [5, 2, 7]  # grouped query heads, blocks out of order
+    q, k, v = _bf16(1, hq, d, seed=3), _bf16(1, hkv, d, seed=4), _bf16(1, hkv, d, seed=5)
+    results, pools = [], []
+    for decode_ops in (False, True):
+        storage = _storage(hkv, d, 8)
+        backend = TorchPagedBackend(storage)
+        backend.decode_ops = decode_ops
+        backend.begin(_meta(ctx, table))
+        results.append(backend.attend(0, q, k, v, d**-0.5, window))
+        pools.append((storage.k[0].data, storage.v[0].data))
+    eager, fast = results
+    assert fast.shape == eager.shape == (1, hq, d)
+    # both write the new token's K/V to the same slot and nothing else
+    assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
+    # the same roundings (bf16 scores, bf16 probabilities); fp32 sums in another order
+    assert torch.allclose(fast.float(), eager.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_paged_decode_one_refuses_a_block_table_too_short(ops):
+    storage = _storage(1, 32, 4)
+    q, kv = _bf16(1, 2, 32, seed=0), _bf16(1, 1, 32, seed=1)
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        ops.paged_decode_one(q, kv, kv, storage.k[0].data, storage.v[0].data, 17, torch.tensor([1]), 20, 1.0, 0)
+
+
+def test_models_on_our_kernels_decode_through_the_ops_alike(ops, tiny_models):
+    if not kernels.cpu_has_avx2():
+        pytest.skip("bf16 models keep torch's kernels without AVX2")
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompt = [[3, 14, 15, 92, 65]]
+    for family in ("gemma3", "qwen3", "llama"):
+        plain = LLMEngine(EngineConfig(model=tiny_models[family], cpu_gemv=False, num_kv_blocks=64))
+        fast = LLMEngine(EngineConfig(model=tiny_models[family], num_kv_blocks=64))
+        assert fast.runner.backend.decode_ops and not plain.runner.backend.decode_ops
+        assert all(m.kernel for m in fast.model.modules() if isinstance(m, RMSNorm))
+        (a,), (b,) = plain.generate(prompt, sp), fast.generate(prompt, sp)
+        for ta, tb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert tb.logprob == pytest.approx(ta.logprob, abs=0.05), family
+            if ta.token_id != tb.token_id:  # only at a near-tie
+                assert ta.top[0][1] - ta.top[1][1] < 0.05, family
+                break
