@@ -66,7 +66,9 @@ def test_rms_norm_rounds_as_the_torch_norm(level, unit_offset, shape):
 
 
 def _storage(heads: int, dim: int, blocks: int) -> KVCacheStorage:
-    storage = KVCacheStorage(KVSpec(1, heads, dim, heads, dim), blocks, 16, torch.bfloat16, torch.device("cpu"))
+    storage = KVCacheStorage(
+        KVSpec(1, heads, dim, heads, dim), blocks, 16, torch.bfloat16, torch.device("cpu")
+    )
     for pool in (storage.k[0], storage.v[0]):
         pool.data[1:] = _bf16(*pool.data[1:].shape, seed=pool.data.numel() % 97)  # block 0 stays zero
     return storage
@@ -110,7 +112,9 @@ def test_paged_decode_one_refuses_a_block_table_too_short(ops):
     storage = _storage(1, 32, 4)
     q, kv = _bf16(1, 2, 32, seed=0), _bf16(1, 1, 32, seed=1)
     with pytest.raises(RuntimeError, match="cannot hold"):
-        ops.paged_decode_one(q, kv, kv, storage.k[0].data, storage.v[0].data, 17, torch.tensor([1]), 20, 1.0, 0)
+        ops.paged_decode_one(
+            q, kv, kv, storage.k[0].data, storage.v[0].data, 17, torch.tensor([1]), 20, 1.0, 0
+        )
 
 
 def test_models_on_our_kernels_decode_through_the_ops_alike(ops, tiny_models):
