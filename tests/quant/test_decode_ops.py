@@ -14,7 +14,9 @@ from edgeinfer.engine.attention.storage import KVSpec
 from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
+from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.layers.norm import RMSNorm
+from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
 from edgeinfer.engine.quant import kernels
 from edgeinfer.types import SamplingParams
 
@@ -133,3 +135,27 @@ def test_models_on_our_kernels_decode_through_the_ops_alike(ops, tiny_models):
             if ta.token_id != tb.token_id:  # only at a near-tie
                 assert ta.top[0][1] - ta.top[1][1] < 0.05, family
                 break
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
+@pytest.mark.parametrize("rotary_dim", [64, 32], ids=["full", "partial"])
+def test_rope_rounds_as_the_torch_rotation(level, interleaved, rotary_dim):
+    rope = RotaryEmbedding(rotary_dim, {"rope_theta": 10000.0}, 128, interleaved)
+    positions = torch.tensor([0, 5, 77])
+    q, k = _bf16(3, 4, 64, seed=6), _bf16(3, 2, 64, seed=7)
+    eager = rope(positions, q, k)
+    rope.kernel, rope._step_cache = True, None
+    fast = rope(positions, q, k)
+    for a, b in zip(eager, fast, strict=True):
+        assert torch.equal(a, b)  # elementwise: the same roundings in the same order
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_act_rounds_as_the_torch_ops(level, act):
+    mlp = GatedMLP(64, 96, act).to(torch.bfloat16)
+    x = _bf16(3, 64, seed=8)
+    eager = mlp(x)
+    mlp.kernel = True
+    fast = mlp(x)
+    # torch's vectorised exp / tanh differ from libm's in the last fp32 bits: at most one bf16 step
+    assert _ulps_apart(fast, eager).max() <= 1

@@ -17,7 +17,22 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = get_activation(act)
+        # our one-call `gated_act` (kernels.decode.use_decode_ops) knows these two
+        self.act_code = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}.get(act)
+        self.kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self._takes_kernel(gate_up):
+            return self.down_proj(torch.ops.edgeinfer_cpu.gated_act(gate_up, self.act_code))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+    def _takes_kernel(self, gate_up: torch.Tensor) -> bool:
+        return (
+            self.kernel
+            and self.act_code is not None
+            and gate_up.dtype == torch.bfloat16
+            and gate_up.dim() == 2
+            and not torch.compiler.is_compiling()
+        )

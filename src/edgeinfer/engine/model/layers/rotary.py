@@ -100,6 +100,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self._step_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.kernel = False  # bf16 rotations through our one-call `rope` (kernels.decode.use_decode_ops)
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x of shape [T, heads, head_dim] at `positions` [T]."""
@@ -126,6 +127,8 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.kernel and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+            return torch.ops.edgeinfer_cpu.rope(x, cos, sin, self.rotary_dim, self.interleaved)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         if self.interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]

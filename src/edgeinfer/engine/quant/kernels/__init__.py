@@ -17,8 +17,8 @@ use; `EDGEINFER_CPU_ISA` (scalar, avx2, avx512, avx512_vnni) caps it, for tests 
   number of rows (the int8 dot products outrun a bf16 GEMM on the dequantized weight even at 512 rows).
 - `bf16_gemv(x, w)` / `bf16_gemv_out(x, w, out)`: bf16 `[M, K]` x bf16 weight `[N, K]` (row-major, as
   stored) with fp32 sums, into bf16 or fp32 (bf16.py: float models' linear layers and lm_head at few rows).
-- `rms_norm(x, weight, eps, round_first)` and `paged_decode_one(q, k, v, k_pool, v_pool, slot, blocks, ctx,
-  scale, window)`: the small ops of a one-sequence decode step, one call each (decode.py).
+- `rms_norm`, `rope`, `gated_act` and `paged_decode_one`: the small ops of a one-sequence decode step, one
+  call each (decode.py); eager only (a compiled graph fuses the torch ops itself), so they have no fakes.
 """
 
 from __future__ import annotations
@@ -159,25 +159,6 @@ def _register_fakes() -> None:
     @torch.library.register_fake("edgeinfer_cpu::bf16_gemv_out")
     def _bf16_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         return None
-
-    @torch.library.register_fake("edgeinfer_cpu::rms_norm")
-    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool) -> torch.Tensor:
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("edgeinfer_cpu::paged_decode_one")
-    def _decode_one(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        slot: int,
-        blocks: torch.Tensor,
-        ctx: int,
-        scale: float,
-        window: int,
-    ) -> torch.Tensor:
-        return q.new_empty((1, q.shape[1], v_pool.shape[-1]))
 
     @torch.library.register_fake("edgeinfer_cpu::int4_gemv")
     def _int4(

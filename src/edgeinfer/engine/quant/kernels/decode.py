@@ -1,10 +1,11 @@
 """Our one-call decode ops (decode_ops.cpp) switched on for a model and its attention backend.
 
 A one-sequence decode step of a small model costs more in calling ops than in their arithmetic. With
-the ops on, each RMSNorm of bf16 rows is one call instead of ~6, and each attention layer of a
-one-sequence step over a plain bf16 cache is one call (write K/V, attend over the blocks in place)
-instead of ~15 with the gather. Only models whose layers already run on our kernels take them (the
-engine decides: `loading.uses_cpu_gemv`), so `cpu_gemv=False` keeps the whole step on torch's ops.
+the ops on, each RMSNorm of bf16 rows is one call instead of ~6, each rotary embedding one instead of
+~8, the MLP's `act(gate) * up` one instead of 3, and each attention layer of a one-sequence step over a
+plain bf16 cache one call (write K/V, attend over the blocks in place) instead of ~15 with the gather.
+Only models whose layers already run on our kernels take them (the engine decides:
+`loading.uses_cpu_gemv`), so `cpu_gemv=False` keeps the whole step on torch's ops. A compiled graph (`--compile`) traces the torch ops instead, which inductor fuses itself.
 """
 
 from __future__ import annotations
@@ -13,15 +14,19 @@ from torch import nn
 
 from edgeinfer.engine.attention import AttentionBackend
 from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
+from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.layers.norm import RMSNorm
+from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
+
+_MODULES = (RMSNorm, RotaryEmbedding, GatedMLP)  # those with a `kernel` switch
 
 
 def use_decode_ops(model: nn.Module, backend: AttentionBackend) -> int:
-    """Turn the ops on for the model's RMSNorms and, if it is ours, the backend (call after
-    `kernels.load()`); returns how many modules switched."""
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    for norm in norms:
-        norm.kernel = True
+    """Turn the ops on for the model's norms, rotary embeddings and gated MLPs and, if it is ours, the
+    backend (call after `kernels.load()`); returns how many modules switched."""
+    modules = [m for m in model.modules() if isinstance(m, _MODULES)]
+    for module in modules:
+        module.kernel = True
     if isinstance(backend, TorchPagedBackend):
         backend.decode_ops = True
-    return len(norms)
+    return len(modules)

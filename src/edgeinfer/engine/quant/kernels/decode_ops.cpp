@@ -1,10 +1,12 @@
 // The small ops of a one-sequence decode step, one call each instead of a dozen torch ops.
 //
 // At one sequence a step of a small model is mostly the cost of calling ops, not of their arithmetic
-// (Gemma 3 270M: ~2,000 torch calls, ~25 ms of a ~50 ms bf16 step at 2 threads). Two groups repay a
-// kernel of their own:
+// (Gemma 3 270M: ~2,000 torch calls, ~25 ms of a ~50 ms bf16 step at 2 threads). These repay a kernel
+// of their own:
 //
 //   rms_norm:         RMSNorm of bf16 rows in fp32, with either family's rounding (below);
+//   rope:             rotary embedding of q or k, halves or interleaved pairs;
+//   gated_act:        act(gate) * up of the MLP, silu or tanh-approximated gelu;
 //   paged_decode_one: write one token's K/V into the paged bf16 cache, then attend its query heads over
 //                     the sequence's blocks where they lie (no gather into a contiguous copy).
 //
@@ -141,6 +143,67 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   return out;
 }
 
+// ---- Rotary embedding ---------------------------------------------------------------------------
+
+// x [T, H, D] rotated in its first `rd` channels by bf16 cos/sin [T, 1, rd] (halves: HF's rotate_half,
+// the tables repeated per half) or [T, 1, rd / 2] (interleaved pairs), each product and the sum rounded
+// to bf16 as the torch ops round them.
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rd, bool interleaved) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "rope: x must be bf16 [T, heads, dim]");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16, "rope: bf16 tables");
+  const int64_t t = x.size(0), h = x.size(1), d = x.size(2), half = rd / 2, width = interleaved ? half : rd;
+  TORCH_CHECK(rd % 2 == 0 && rd <= d, "rope: rotary dim ", rd, " for head dim ", d);
+  TORCH_CHECK(cos.numel() == t * width && sin.numel() == t * width, "rope: tables must be [T, 1, ", width, "]");
+  const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  auto out = at::empty_like(xc);
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cc.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
+  auto* yp = out.data_ptr<at::BFloat16>();
+  auto r = [](float f) { return round_bf16(f); };
+  at::parallel_for(0, t * h, std::max<int64_t>(1, 65536 / std::max<int64_t>(d, 1)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint16_t *row = xp + i * d, *c = cp + (i / h) * width, *s = sp + (i / h) * width;
+      c10::BFloat16* y = yp + i * d;
+      for (int64_t j = 0; j < half; ++j) {
+        const int64_t a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + half;
+        const float x1 = to_float(row[a]), x2 = to_float(row[b]);
+        const float ca = to_float(c[interleaved ? j : a]), sa = to_float(s[interleaved ? j : a]);
+        const float cb = to_float(c[interleaved ? j : b]), sb = to_float(s[interleaved ? j : b]);
+        y[a] = c10::BFloat16(r(x1 * ca) - r(x2 * sa));  // halves: x1 cos + (-x2) sin
+        y[b] = c10::BFloat16(r(x2 * cb) + r(x1 * sb));
+      }
+      for (int64_t j = rd; j < d; ++j) y[j] = c10::BFloat16(to_float(row[j]));
+    }
+  });
+  return out;
+}
+
+// ---- Gated activation -------------------------------------------------------------------------------
+
+// act(gate) * up for gate_up [T, 2I] = [gate | up]: the activation rounded to bf16, then the product,
+// as `act(gate) * up` rounds on bf16 tensors. `act`: 0 silu, 1 gelu (tanh approximation).
+at::Tensor gated_act(const at::Tensor& gate_up, int64_t act) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+              "gated_act: gate_up must be bf16 [T, 2 * intermediate]");
+  TORCH_CHECK(act == 0 || act == 1, "gated_act: act must be 0 (silu) or 1 (gelu tanh)");
+  const at::Tensor g = gate_up.contiguous();
+  const int64_t t = g.size(0), n = g.size(1) / 2;
+  auto out = at::empty({t, n}, g.options());
+  const auto* gp = reinterpret_cast<const uint16_t*>(g.data_ptr<at::BFloat16>());
+  auto* yp = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, t * n, 65536, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row = i / n, col = i % n;
+      const float x = to_float(gp[row * 2 * n + col]), u = to_float(gp[row * 2 * n + n + col]);
+      const float a = act == 0 ? x / (1.f + std::exp(-x))
+                               : 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+      yp[i] = c10::BFloat16(round_bf16(a) * u);
+    }
+  });
+  return out;
+}
+
 // ---- Paged decode attention, one sequence ---------------------------------------------------------
 
 struct DecodeShape {
@@ -235,6 +298,8 @@ at::Tensor paged_decode_one(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool round_first) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, int rotary_dim, bool interleaved) -> Tensor");
+  m.def("gated_act(Tensor gate_up, int act) -> Tensor");
   m.def(
       "paged_decode_one(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, int slot, "
       "Tensor blocks, int ctx, float scale, int window) -> Tensor");
@@ -242,5 +307,7 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {
   m.impl("rms_norm", rms_norm);
+  m.impl("rope", rope);
+  m.impl("gated_act", gated_act);
   m.impl("paged_decode_one", paged_decode_one);
 }
