@@ -5,7 +5,8 @@ the ops on, each RMSNorm of bf16 rows is one call instead of ~6, each rotary emb
 ~8, the MLP's `act(gate) * up` one instead of 3, and each attention layer of a one-sequence step over a
 plain bf16 cache one call (write K/V, attend over the blocks in place) instead of ~15 with the gather.
 Only models whose layers already run on our kernels take them (the engine decides:
-`loading.uses_cpu_gemv`), so `cpu_gemv=False` keeps the whole step on torch's ops. A compiled graph (`--compile`) traces the torch ops instead, which inductor fuses itself.
+`loading.uses_cpu_gemv`), so `cpu_gemv=False` keeps the whole step on torch's ops. A compiled graph
+(`--compile`) traces the torch ops instead, which inductor fuses itself.
 """
 
 from __future__ import annotations
