@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from edgeinfer.engine.model.layers.activation import get_activation
+from edgeinfer.engine.model.layers.kernel_ops import takes_kernel
 
 
 class GatedMLP(nn.Module):
@@ -23,16 +24,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self._takes_kernel(gate_up):
+        if self.act_code is not None and gate_up.dim() == 2 and takes_kernel(self, gate_up):
             return self.down_proj(torch.ops.edgeinfer_cpu.gated_act(gate_up, self.act_code))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
-
-    def _takes_kernel(self, gate_up: torch.Tensor) -> bool:
-        return (
-            self.kernel
-            and self.act_code is not None
-            and gate_up.dtype == torch.bfloat16
-            and gate_up.dim() == 2
-            and not torch.compiler.is_compiling()
-        )

@@ -6,14 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgeinfer.engine.model.layers.kernel_ops import takes_kernel
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 with one fused kernel.
 
     `unit_offset=True` is Gemma's convention: the stored weight is a delta and the scale is `1 + w`,
     applied before casting back (Llama casts first, then multiplies; the difference shows in bf16).
-    `kernel` (set by `kernels.decode.use_decode_ops`): bf16 rows take our one-call `rms_norm`, with the
-    same roundings, instead of the ~6 torch ops below.
+    `kernel` (set by `kernels.decode.use_decode_ops`): small bf16 inputs take our one-call `rms_norm`,
+    with the same roundings, instead of the ~6 torch ops below (layers/kernel_ops.py).
     """
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
@@ -25,7 +27,7 @@ class RMSNorm(nn.Module):
         self.kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+        if takes_kernel(self, x):
             weight = self._fp32_scale() if self.unit_offset else self.weight
             return torch.ops.edgeinfer_cpu.rms_norm(x.contiguous(), weight, self.eps, not self.unit_offset)
         shape = (x.shape[-1],)

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from edgeinfer.engine.model.layers.kernel_ops import takes_kernel
+
 
 def _default_inv_freq(dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -100,7 +102,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self._step_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.kernel = False  # bf16 rotations through our one-call `rope` (kernels.decode.use_decode_ops)
+        self.kernel = False  # small bf16 rotations through our one-call `rope` (layers/kernel_ops.py)
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x of shape [T, heads, head_dim] at `positions` [T]."""
@@ -127,7 +129,7 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.kernel and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+        if takes_kernel(self, x):
             return torch.ops.edgeinfer_cpu.rope(x, cos, sin, self.rotary_dim, self.interleaved)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         if self.interleaved:

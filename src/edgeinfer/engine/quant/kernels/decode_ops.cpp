@@ -6,7 +6,7 @@
 //
 //   rms_norm:         RMSNorm of bf16 rows in fp32, with either family's rounding (below);
 //   rope:             rotary embedding of q or k, halves or interleaved pairs;
-//   gated_act:        act(gate) * up of the MLP, silu or tanh-approximated gelu;
+//   gated_act:        act(gate) * up of the MLP (ATen's activation kernels, one call);
 //   paged_decode_one: write one token's K/V into the paged bf16 cache, then attend its query heads over
 //                     the sequence's blocks where they lie (no gather into a contiguous copy).
 //
@@ -181,27 +181,16 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 
 // ---- Gated activation -------------------------------------------------------------------------------
 
-// act(gate) * up for gate_up [T, 2I] = [gate | up]: the activation rounded to bf16, then the product,
-// as `act(gate) * up` rounds on bf16 tensors. `act`: 0 silu, 1 gelu (tanh approximation).
+// act(gate) * up for gate_up [T, 2I] = [gate | up], through ATen's own vectorised activation: the same
+// kernels and roundings as the three torch ops, in one call from Python. `act`: 0 silu, 1 gelu (tanh).
 at::Tensor gated_act(const at::Tensor& gate_up, int64_t act) {
   TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
               "gated_act: gate_up must be bf16 [T, 2 * intermediate]");
   TORCH_CHECK(act == 0 || act == 1, "gated_act: act must be 0 (silu) or 1 (gelu tanh)");
-  const at::Tensor g = gate_up.contiguous();
-  const int64_t t = g.size(0), n = g.size(1) / 2;
-  auto out = at::empty({t, n}, g.options());
-  const auto* gp = reinterpret_cast<const uint16_t*>(g.data_ptr<at::BFloat16>());
-  auto* yp = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, t * n, 65536, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t row = i / n, col = i % n;
-      const float x = to_float(gp[row * 2 * n + col]), u = to_float(gp[row * 2 * n + n + col]);
-      const float a = act == 0 ? x / (1.f + std::exp(-x))
-                               : 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-      yp[i] = c10::BFloat16(round_bf16(a) * u);
-    }
-  });
-  return out;
+  const int64_t n = gate_up.size(1) / 2;
+  const at::Tensor gate = gate_up.narrow(1, 0, n), up = gate_up.narrow(1, n, n);
+  at::Tensor out = act == 0 ? at::silu(gate) : at::gelu(gate, "tanh");
+  return out.mul_(up);
 }
 
 // ---- Paged decode attention, one sequence ---------------------------------------------------------
