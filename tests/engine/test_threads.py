@@ -15,7 +15,7 @@ import torch
 from edgeinfer.engine.async_engine import STEP_THREAD_NAME, AsyncLLMEngine
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
-from edgeinfer.engine.threads import available_cores, use_threads
+from edgeinfer.engine.threads import available_cores, run_in_own_thread, use_threads
 
 
 @pytest.fixture
@@ -70,3 +70,27 @@ def test_the_async_engines_step_thread_has_an_os_name(tiny_llama, restore_thread
         assert STEP_THREAD_NAME in names
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_one_off_work_runs_in_a_thread_that_ends_with_it():
+    """The loader's thread must not outlive the load: its OpenMP team would stay beside the engine's."""
+    seen: list[threading.Thread] = []
+
+    def work() -> int:
+        seen.append(threading.current_thread())
+        return int(torch.ones(4).sum())  # a torch op, as a load runs
+
+    def fail() -> None:
+        raise ValueError("bad checkpoint")
+
+    async def main() -> int:
+        result = await run_in_own_thread(work)
+        with pytest.raises(ValueError, match="bad checkpoint"):
+            await run_in_own_thread(fail)
+        return result
+
+    assert asyncio.run(main()) == 4
+    (thread,) = seen
+    assert thread is not threading.main_thread()
+    thread.join(timeout=5)
+    assert not thread.is_alive()

@@ -46,7 +46,7 @@ def make_layer(out: int, inp: int, group: int = 128, seed: int = 0) -> tuple[Qua
 
 
 def test_packing_layout_is_recognised():
-    assert int4_mod._PACK_LAYOUT is not None
+    assert int4_mod._pack_layout() is not None
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -75,7 +75,7 @@ def test_rows_not_a_multiple_of_the_packing_block_keep_the_fused_kernel():
 _OTHER_CPU_SCRIPT = """
 import torch
 from edgeinfer.engine.quant import QuantLinear, int4
-assert int4._PACK_LAYOUT is not None, "packing not recognised"
+assert int4._pack_layout() is not None, "packing not recognised"
 layer = QuantLinear.from_float(torch.randn(128, 256) * 0.05, None, "int4")
 x = torch.randn(int4._DEQUANT_MIN_TOKENS, 256)
 assert layer.kernel_for(x.shape[0]) == "dequant"

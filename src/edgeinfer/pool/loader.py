@@ -69,6 +69,7 @@ class EngineLoader(MemberLoader):
         if self.task(spec) == EMBED:
             return await self._load_embedding(spec)
         from edgeinfer.engine.async_engine import AsyncLLMEngine
+        from edgeinfer.engine.threads import run_in_own_thread
 
         public = self._public.get(spec.name, PublicPrefixes())
         config = dataclasses.replace(
@@ -77,17 +78,19 @@ class EngineLoader(MemberLoader):
             public_prefixes=public.texts,
             public_system_prompts=public.system_prompts,
         )
-        # from_config blocks for seconds (reading weights); a worker thread keeps the event loop serving.
-        engine = await asyncio.to_thread(AsyncLLMEngine.from_config, config)
+        # from_config blocks for seconds (reading weights); a thread of its own keeps the event loop
+        # serving and ends with the load, taking its OpenMP team with it (engine/threads.py)
+        engine = await run_in_own_thread(lambda: AsyncLLMEngine.from_config(config))
         version = checkpoint_version(resolve_checkpoint_path(spec.target), config.quantization)
         return LocalMember(spec.name, engine, version, config.max_num_seqs)
 
     async def _load_embedding(self, spec: MemberSpec) -> PoolMember:
         from edgeinfer.engine.embedding.async_embedder import AsyncEmbeddingEngine
         from edgeinfer.engine.embedding.config import EmbeddingConfig
+        from edgeinfer.engine.threads import run_in_own_thread
 
         config = EmbeddingConfig.from_engine_config(self._engine_config, spec.target)
-        engine = await asyncio.to_thread(AsyncEmbeddingEngine.from_config, config)
+        engine = await run_in_own_thread(lambda: AsyncEmbeddingEngine.from_config(config))
         version = checkpoint_version(engine.embedder.path, config.dtype)
         return EmbeddingMember(spec.name, engine, version)
 

@@ -351,13 +351,25 @@ def _unpack_blocks(packed: torch.Tensor, layout: _PackLayout, n: int, k: int) ->
     return out
 
 
-# A constant probed once at import (a few small ops), so that compiled code reads it rather than tracing it.
-_PACK_LAYOUT = _probe_pack_layout()
+# Probed once, on first use (a few small ops), and kept in a global that compiled code reads rather than
+# traces. Not at import: the server imports this module on its event-loop thread, and a parallel op there
+# leaves an OpenMP team alive beside the engine's, which stops libgomp's workers spinning between
+# parallel regions (engine/threads.py: `run_in_own_thread`).
+_PACK_LAYOUT: _PackLayout | None = None
+_PROBED = False
+
+
+def _pack_layout() -> _PackLayout | None:
+    global _PACK_LAYOUT, _PROBED
+    if not _PROBED:
+        _PACK_LAYOUT, _PROBED = _probe_pack_layout(), True
+    return _PACK_LAYOUT
 
 
 def _unpackable(n: int) -> bool:
     """Whether a packed `n`-row weight can be dequantized here (the packing's last, partial block differs)."""
-    return _PACK_LAYOUT is not None and n % _PACK_LAYOUT.block_n == 0
+    layout = _pack_layout()
+    return layout is not None and n % layout.block_n == 0
 
 
 def _int4pack_codes(t: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -371,7 +383,7 @@ def _int4pack_codes(t: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, t
 def _int4pack_centered(packed: torch.Tensor, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """The packing's codes minus 8 as a contiguous `[K, N]` in `dtype`. The packing's blocks are already
     K-major, so each block unpacks into a column range and no transpose is needed."""
-    layout = _PACK_LAYOUT
+    layout = _pack_layout()
     assert layout is not None  # kernel_for / gemv_form checked
     blocks = packed.view(n // layout.block_n, k, layout.block_n // 2).view(torch.int8)
     w = torch.empty(k, n // layout.block_n, layout.block_n, dtype=dtype)
