@@ -19,15 +19,6 @@ from edgeinfer.engine.quant.kernels.bf16 import GEMV_ROWS, GemvLinear
 from edgeinfer.types import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def ops():
-    try:
-        kernels.load()
-    except kernels.KernelBuildError as e:  # no compiler, or not x86
-        pytest.skip(f"the CPU kernels cannot be built here: {e}")
-    return torch.ops.edgeinfer_cpu
-
-
 def _levels_here(ops) -> list[str]:
     """The levels this CPU runs: a cap at a level the CPU lacks reports a lower one."""
     here = []

@@ -24,15 +24,6 @@ from edgeinfer.types import SamplingParams
 LEVELS = ("scalar", "avx512")  # the ops' two variants (plain loops, AVX-512)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    try:
-        kernels.load()
-    except kernels.KernelBuildError as e:  # no compiler, or not x86
-        pytest.skip(f"the CPU kernels cannot be built here: {e}")
-    return torch.ops.edgeinfer_cpu
-
-
 @pytest.fixture(params=LEVELS)
 def level(request, ops) -> Iterator[str]:
     """Each variant in turn (the AVX-512 one only where the CPU has it)."""

@@ -26,13 +26,6 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define EDGEINFER_X86 1
-#else
-#define EDGEINFER_X86 0
-#endif
-
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -48,12 +41,7 @@ constexpr int kM = 2;     // activation rows per tile
 constexpr int kPrefetchBytes = 512;
 constexpr int64_t kGrainBytes = 64 * 1024;
 
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using edgeinfer_cpu::bf16_bits_to_float;
 
 // The operands of one product: weights and activations as raw bf16 bits, the activations also in fp32
 // for the variants that widen the weights.
@@ -73,7 +61,7 @@ void tile_scalar(const Operands& op, const uint16_t* w, int64_t m0, float* y, in
     const float* x = op.xf + (m0 + m) * op.k;
     for (int r = 0; r < R; ++r) {
       float s = 0.f;
-      for (int64_t i = 0; i < op.k; ++i) s += bf16_to_float(w[r * op.k + i]) * x[i];
+      for (int64_t i = 0; i < op.k; ++i) s += bf16_bits_to_float(w[r * op.k + i]) * x[i];
       y[m * ldy + r] = s;
     }
   }
@@ -170,7 +158,7 @@ EDGEINFER_TARGET_AVX2 void tile_avx2(const Operands& op, const uint16_t* w, int6
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) {
       float s = hsum8(acc[m][r]);
-      for (int64_t i = body; i < k; ++i) s += bf16_to_float(w[r * k + i]) * x[m * k + i];
+      for (int64_t i = body; i < k; ++i) s += bf16_bits_to_float(w[r * k + i]) * x[m * k + i];
       y[m * ldy + r] = s;
     }
 }

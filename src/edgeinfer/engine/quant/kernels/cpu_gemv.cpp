@@ -31,13 +31,6 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define EDGEINFER_X86 1
-#else
-#define EDGEINFER_X86 0
-#endif
-
 namespace {
 
 bool use_vnni() { return EDGEINFER_X86 && edgeinfer_cpu::isa_allows(edgeinfer_cpu::Isa::kAvx512Vnni); }
@@ -292,12 +285,7 @@ ActGroups quantize_groups(const T* x, int64_t m_rows, int64_t k, int64_t g) {
   return a;
 }
 
-inline float bf16_bits_to_float(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using edgeinfer_cpu::bf16_bits_to_float;
 
 #if EDGEINFER_X86
 // 16 bf16 values -> fp32 lanes (bf16 is the top half of an fp32)

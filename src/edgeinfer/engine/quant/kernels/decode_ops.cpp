@@ -21,13 +21,6 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define EDGEINFER_X86 1
-#else
-#define EDGEINFER_X86 0
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,18 +32,13 @@ namespace {
 
 using edgeinfer_cpu::Isa;
 
-inline float to_float(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using edgeinfer_cpu::bf16_bits_to_float;
 
 inline float round_bf16(float f) { return static_cast<float>(c10::BFloat16(f)); }
 
 // bf16 row -> fp32 row.
 void widen_scalar(const uint16_t* x, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = to_float(x[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits_to_float(x[i]);
 }
 
 // sum_i a[i] * b[i] over fp32 rows.
@@ -167,13 +155,13 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
       c10::BFloat16* y = yp + i * d;
       for (int64_t j = 0; j < half; ++j) {
         const int64_t a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + half;
-        const float x1 = to_float(row[a]), x2 = to_float(row[b]);
-        const float ca = to_float(c[interleaved ? j : a]), sa = to_float(s[interleaved ? j : a]);
-        const float cb = to_float(c[interleaved ? j : b]), sb = to_float(s[interleaved ? j : b]);
+        const float x1 = bf16_bits_to_float(row[a]), x2 = bf16_bits_to_float(row[b]);
+        const float ca = bf16_bits_to_float(c[interleaved ? j : a]), sa = bf16_bits_to_float(s[interleaved ? j : a]);
+        const float cb = bf16_bits_to_float(c[interleaved ? j : b]), sb = bf16_bits_to_float(s[interleaved ? j : b]);
         y[a] = c10::BFloat16(r(x1 * ca) - r(x2 * sa));  // halves: x1 cos + (-x2) sin
         y[b] = c10::BFloat16(r(x2 * cb) + r(x1 * sb));
       }
-      for (int64_t j = rd; j < d; ++j) y[j] = c10::BFloat16(to_float(row[j]));
+      for (int64_t j = rd; j < d; ++j) y[j] = c10::BFloat16(bf16_bits_to_float(row[j]));
     }
   });
   return out;

@@ -7,7 +7,16 @@
 
 #pragma once
 
+#include <cstdint>
+#include <cstring>
 #include <string>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define EDGEINFER_X86 1
+#else
+#define EDGEINFER_X86 0
+#endif
 
 namespace edgeinfer_cpu {
 
@@ -22,6 +31,14 @@ std::string isa_name();
 
 // Cap the levels the kernels use ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16" = no cap).
 void set_isa_cap(const std::string& name);
+
+// A bf16 value's bits -> its float (bf16 is the top half of an fp32): exact.
+inline float bf16_bits_to_float(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 }  // namespace edgeinfer_cpu
 
