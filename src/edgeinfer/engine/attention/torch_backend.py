@@ -80,7 +80,7 @@ class TorchPagedBackend(AttentionBackend):
     def attend(self, layer, q, k, v, scale, window=None, softcap=None):
         meta = self.meta
         assert meta is not None, "begin() must be called before attend()"
-        if self._takes_decode_op(meta, q, softcap):
+        if self._takes_decode_op(layer, meta, q, softcap):
             return self._decode_one(layer, q, k, v, meta, scale, window)
         self.storage.write(layer, meta.slot_mapping, k, v)
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
@@ -94,13 +94,16 @@ class TorchPagedBackend(AttentionBackend):
             )
         return out
 
-    def _takes_decode_op(self, meta: AttentionMetadata, q: torch.Tensor, softcap: float | None) -> bool:
+    def _takes_decode_op(
+        self, layer: int, meta: AttentionMetadata, q: torch.Tensor, softcap: float | None
+    ) -> bool:
         return (
             self.decode_ops
             and meta.num_decodes == meta.num_seqs == 1
             and softcap is None
             and q.dtype == torch.bfloat16
             and self.storage.lossless
+            and self.storage.v[layer] is not None
             and not torch.compiler.is_compiling()
         )
 

@@ -27,7 +27,8 @@ class RMSNorm(nn.Module):
         self.kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if takes_kernel(self, x):
+        # (a non-bf16 weight would make the torch form's product another dtype: keep it)
+        if takes_kernel(self, x) and (self.unit_offset or self.weight.dtype == torch.bfloat16):
             weight = self._fp32_scale() if self.unit_offset else self.weight
             return torch.ops.edgeinfer_cpu.rms_norm(x.contiguous(), weight, self.eps, not self.unit_offset)
         shape = (x.shape[-1],)
