@@ -110,3 +110,21 @@ def test_resolves_once_then_trusts_the_marker(gemma_gguf: Path, tmp_path: Path) 
 def test_open_by_alias(gemma_gguf: Path) -> None:
     ckpt = open_checkpoint("@cf/google/gemma-3-270m")
     assert ckpt.path == gemma_gguf and ckpt.config["architectures"] == ["Gemma3ForCausalLM"]
+
+
+def test_sizing_the_default_model_reads_no_header(default_gguf, monkeypatch):
+    """The pool sizes a model and fingerprints it around its load; neither may parse the GGUF again."""
+    from edgeinfer.engine.model.loader import checkpoint_location
+    from edgeinfer.engine.model.loader.gguf_file import GGUFFile
+    from edgeinfer.pool.loader import checkpoint_bytes, resolve_checkpoint_path
+
+    def parsed(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the GGUF header was parsed")
+
+    monkeypatch.setattr(GGUFFile, "__init__", parsed)
+    assert checkpoint_location("gemma-3-270m") == default_gguf
+    assert resolve_checkpoint_path("gemma-3-270m") == default_gguf
+    assert checkpoint_bytes(default_gguf) == default_gguf.stat().st_size
+    assert resolve_checkpoint_path("no-such-model") is None
+    with pytest.raises(AssertionError, match="parsed"):
+        open_checkpoint("gemma-3-270m")  # the check above would notice a parse

@@ -106,16 +106,18 @@ def _load_tokenizer(target: str) -> Any:
 
 
 def resolve_checkpoint_path(target: str) -> Path | None:
-    """A filesystem path as given, or the file a model name (like `gemma-3-270m`) resolves to."""
+    """A filesystem path as given, or the file a model name (like `gemma-3-270m`) resolves to (None:
+    neither). No header is read: sizing a model before its load must not parse it twice."""
     path = Path(target)
     if path.exists():
         return path
     try:
-        from edgeinfer.engine.model.loader import open_checkpoint
+        from edgeinfer.engine.model.loader import checkpoint_location
 
-        return Path(open_checkpoint(target).path)
+        path = checkpoint_location(target)
     except (ImportError, ValueError, OSError):
         return None
+    return path if path.exists() else None
 
 
 def checkpoint_bytes(path: Path | None) -> int:

@@ -8,13 +8,14 @@ from edgeinfer.engine.model.loader.default_model import (
     resolve_default_model,
 )
 from edgeinfer.engine.model.loader.errors import CheckpointError
-from edgeinfer.engine.model.loader.opener import open_checkpoint
+from edgeinfer.engine.model.loader.opener import checkpoint_location, open_checkpoint
 
 __all__ = [
     "DEFAULT_MODEL_ALIASES",
     "DEFAULT_MODEL_NAME",
     "Checkpoint",
     "CheckpointError",
+    "checkpoint_location",
     "is_default_model",
     "open_checkpoint",
     "resolve_default_model",

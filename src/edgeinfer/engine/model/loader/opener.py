@@ -21,6 +21,17 @@ from edgeinfer.engine.model.loader.gguf_checkpoint import GGUFCheckpoint
 from edgeinfer.engine.model.loader.safetensors_checkpoint import SafetensorsCheckpoint
 
 
+def checkpoint_location(path_or_name: str | Path) -> Path:
+    """Where `open_checkpoint` would read from, without reading any header: a default model's name
+    resolves to its file (assembled into the model cache if needed), anything else is taken as a path.
+    Sizing or fingerprinting a model needs only this; parsing Gemma's GGUF header alone takes ~1 s."""
+    if isinstance(path_or_name, str) and is_default_model(path_or_name):
+        return resolve_default_model(path_or_name)
+    if isinstance(path_or_name, str) and is_default_embedding_model(path_or_name):
+        return resolve_default_embedding_model()
+    return Path(path_or_name).expanduser()
+
+
 def open_checkpoint(path_or_name: str | Path) -> Checkpoint:
     """Open an HF directory (config.json + *.safetensors or model.eiz), a `.gguf` file, or a default model by
     name (the generation model, or the embedding model).
