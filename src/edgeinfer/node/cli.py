@@ -89,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="CPU: products through our kernels (int8/int4 with AVX512-VNNI, int4 as W4A8; bf16 decode "
-        "with AVX512-BF16 / AVX-512 / AVX2; built at first use). Default: where the CPU has the features",
+        "with AVX512-BF16 / AVX-512 / AVX2; one-call ops for one-sequence decode steps; built at first use). "
+        "Default: where the CPU has the features",
     )
     engine.add_argument(
         "--no-calibrate", action="store_true", help="quantize without activation-aware input scaling"
