@@ -59,10 +59,9 @@ def test_rms_norm_rounds_as_the_torch_norm(level, unit_offset, shape):
     assert apart.max() <= 1 and apart.float().mean() < 0.02, (apart.max(), apart.float().mean())
 
 
-def _storage(heads: int, dim: int, blocks: int) -> KVCacheStorage:
-    storage = KVCacheStorage(
-        KVSpec(1, heads, dim, heads, dim), blocks, 16, torch.bfloat16, torch.device("cpu")
-    )
+def _storage(heads: int, dim: int, blocks: int, v_dim: int | None = None) -> KVCacheStorage:
+    spec = KVSpec(1, heads, dim, heads, v_dim or dim)
+    storage = KVCacheStorage(spec, blocks, 16, torch.bfloat16, torch.device("cpu"))
     for pool in (storage.k[0], storage.v[0]):
         pool.data[1:] = _bf16(*pool.data[1:].shape, seed=pool.data.numel() % 97)  # block 0 stays zero
     return storage
@@ -83,19 +82,20 @@ def _meta(ctx: int, table: list[int]) -> AttentionMetadata:
 
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("ctx", [1, 37, 48])
-def test_paged_decode_one_matches_the_gather_path(level, window, ctx):
+@pytest.mark.parametrize("dv", [64, 96], ids=["v=k", "v-wider"])
+def test_paged_decode_one_matches_the_gather_path(level, window, ctx, dv):
     hq, hkv, d, table = 4, 2, 64, [5, 2, 7]  # grouped query heads, blocks out of order
-    q, k, v = _bf16(1, hq, d, seed=3), _bf16(1, hkv, d, seed=4), _bf16(1, hkv, d, seed=5)
+    q, k, v = _bf16(1, hq, d, seed=3), _bf16(1, hkv, d, seed=4), _bf16(1, hkv, dv, seed=5)
     results, pools = [], []
     for decode_ops in (False, True):
-        storage = _storage(hkv, d, 8)
+        storage = _storage(hkv, d, 8, dv)
         backend = TorchPagedBackend(storage)
         backend.decode_ops = decode_ops
         backend.begin(_meta(ctx, table))
         results.append(backend.attend(0, q, k, v, d**-0.5, window))
         pools.append((storage.k[0].data, storage.v[0].data))
     eager, fast = results
-    assert fast.shape == eager.shape == (1, hq, d)
+    assert fast.shape == eager.shape == (1, hq, dv)
     # both write the new token's K/V to the same slot and nothing else
     assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
     # the same roundings (bf16 scores, bf16 probabilities); fp32 sums in another order

@@ -202,8 +202,9 @@ void softmax_bf16(float* s, int64_t n) {
 void attend_group(const float* q, int64_t group, const uint16_t* const* k_rows, const uint16_t* const* v_rows,
                   const DecodeShape& s, float scale, c10::BFloat16* out, const Vec& v, std::vector<float>& buf) {
   const int64_t n = s.ctx - s.first;
-  buf.resize(group * n + s.d + group * s.dv);
-  float *scores = buf.data(), *row = scores + group * n, *acc = row + s.d;
+  const int64_t row_len = std::max(s.d, s.dv);  // one widened K or V row
+  buf.resize(group * n + row_len + group * s.dv);
+  float *scores = buf.data(), *row = scores + group * n, *acc = row + row_len;
   for (int64_t j = 0; j < n; ++j) {
     v.widen(k_rows[j], row, s.d);
     for (int64_t g = 0; g < group; ++g) scores[g * n + j] = round_bf16(v.dot(q + g * s.d, row, s.d)) * scale;
