@@ -22,12 +22,11 @@ from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
 _MODULES = (RMSNorm, RotaryEmbedding, GatedMLP)  # those with a `kernel` switch
 
 
-def use_decode_ops(model: nn.Module, backend: AttentionBackend) -> int:
+def use_decode_ops(model: nn.Module, backend: AttentionBackend) -> None:
     """Turn the ops on for the model's norms, rotary embeddings and gated MLPs and, if it is ours, the
-    backend (call after `kernels.load()`); returns how many modules switched."""
-    modules = [m for m in model.modules() if isinstance(m, _MODULES)]
-    for module in modules:
-        module.kernel = True
+    backend (call after `kernels.load()`)."""
+    for module in model.modules():
+        if isinstance(module, _MODULES):
+            module.kernel = True
     if isinstance(backend, TorchPagedBackend):
         backend.decode_ops = True
-    return len(modules)

@@ -148,7 +148,6 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   const auto* cp = reinterpret_cast<const uint16_t*>(cc.data_ptr<at::BFloat16>());
   const auto* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
   auto* yp = out.data_ptr<at::BFloat16>();
-  auto r = [](float f) { return round_bf16(f); };
   at::parallel_for(0, t * h, std::max<int64_t>(1, 65536 / std::max<int64_t>(d, 1)), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const uint16_t *row = xp + i * d, *c = cp + (i / h) * width, *s = sp + (i / h) * width;
@@ -156,10 +155,11 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
       for (int64_t j = 0; j < half; ++j) {
         const int64_t a = interleaved ? 2 * j : j, b = interleaved ? 2 * j + 1 : j + half;
         const float x1 = bf16_bits_to_float(row[a]), x2 = bf16_bits_to_float(row[b]);
-        const float ca = bf16_bits_to_float(c[interleaved ? j : a]), sa = bf16_bits_to_float(s[interleaved ? j : a]);
-        const float cb = bf16_bits_to_float(c[interleaved ? j : b]), sb = bf16_bits_to_float(s[interleaved ? j : b]);
-        y[a] = c10::BFloat16(r(x1 * ca) - r(x2 * sa));  // halves: x1 cos + (-x2) sin
-        y[b] = c10::BFloat16(r(x2 * cb) + r(x1 * sb));
+        const int64_t ta = interleaved ? j : a, tb = interleaved ? j : b;  // the tables' entries
+        const float ca = bf16_bits_to_float(c[ta]), sa = bf16_bits_to_float(s[ta]);
+        const float cb = bf16_bits_to_float(c[tb]), sb = bf16_bits_to_float(s[tb]);
+        y[a] = c10::BFloat16(round_bf16(x1 * ca) - round_bf16(x2 * sa));  // halves: x1 cos + (-x2) sin
+        y[b] = c10::BFloat16(round_bf16(x2 * cb) + round_bf16(x1 * sb));
       }
       for (int64_t j = rd; j < d; ++j) y[j] = c10::BFloat16(bf16_bits_to_float(row[j]));
     }
