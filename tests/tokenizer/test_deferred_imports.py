@@ -1,5 +1,6 @@
-"""A cached start serves without importing transformers (~1 s of a start): the server's modules, the engine
-and a GGUF's saved tokenizer, llguidance's view of it included, need only `tokenizers`."""
+"""A cached start serves without importing transformers (~1 s of a start): the server's modules, the engine,
+a GGUF's saved tokenizer, llguidance's view of it included, and the default embedding model need only
+`tokenizers`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import llguidance.hf
+from helpers.embeddings import minilm_dir
 from tokenizer_files import write_spm_gguf
 
 from edgeinfer.engine.model.loader import open_checkpoint
@@ -22,9 +24,13 @@ import json, sys
 import edgeinfer.cli, edgeinfer.node.app, edgeinfer.node.cli, edgeinfer.engine.engine, edgeinfer.pool.manager
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.runner.grammar import LazyGuidanceTokenizer
+from edgeinfer.engine.embedding.config import EmbeddingConfig
+from edgeinfer.engine.embedding.embedder import Embedder
 from edgeinfer.engine.tokenizer import Tokenizer
 
 tok = Tokenizer.from_checkpoint(open_checkpoint(sys.argv[1]))
+embedder = Embedder(EmbeddingConfig(model=sys.argv[3], dtype="float32"))
+assert embedder.tokenizer.direct and embedder.tokenize(["an embedded text"])
 guidance = LazyGuidanceTokenizer(tok.hf, tok.vocab_size, tok.eos_token_ids).get()
 pieces = [guidance.tokenize_str(text) for text in json.loads(sys.argv[2])]
 print(json.dumps([type(tok.hf).__name__, "transformers" in sys.modules, pieces]))
@@ -35,7 +41,7 @@ def test_cached_gguf_tokenizer_serves_without_transformers(tmp_path: Path) -> No
     path = write_spm_gguf(tmp_path / "m.gguf")
     tok = Tokenizer.from_checkpoint(open_checkpoint(path))  # builds (through transformers) and saves it
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-c", _PROBE, str(path), json.dumps(TEXTS)]
+    argv = [sys.executable, "-c", _PROBE, str(path), json.dumps(TEXTS), str(minilm_dir())]
     run = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
     kind, imported, pieces = json.loads(run.stdout)

@@ -6,9 +6,9 @@ import logging
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoTokenizer
 
 from edgeinfer.engine.embedding.config import EmbeddingConfig
+from edgeinfer.engine.embedding.encoder_tokenizer import load_encoder_tokenizer
 from edgeinfer.engine.embedding.sentence_config import SentenceConfig, read_sentence_config
 from edgeinfer.engine.loading import resolve_dtype
 from edgeinfer.engine.model.bert import PackedBatch
@@ -33,7 +33,7 @@ class Embedder:
             )
         self.path = ckpt.path
         self.sentence: SentenceConfig = read_sentence_config(ckpt.path, ckpt.config)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(ckpt.path))
+        self.tokenizer = load_encoder_tokenizer(ckpt.path, self.sentence.max_seq_length)
         self.dtype = resolve_dtype(config.dtype, self.device)
         with torch.device(self.device):
             model = build_encoder(ckpt.config, config.attention).to(self.dtype)
@@ -55,10 +55,7 @@ class Embedder:
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids with the special tokens, truncated to the model's maximum length (as
         sentence-transformers truncates)."""
-        if not texts:
-            return []
-        enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_seq_length)
-        return [list(ids) for ids in enc["input_ids"]]
+        return self.tokenizer.tokenize(texts)
 
     @torch.inference_mode()
     def embed(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
