@@ -92,12 +92,14 @@ _CFLAGS = ["-O3", "-fopenmp"]
 def _build_dir() -> Path:
     """A build directory of this source, flags and torch, under `$TORCH_EXTENSIONS_DIR` or our cache dir.
     torch's own default keeps one build per extension name, so two installs with different sources
-    rebuild over each other on every start (measured: 39 s of a cached start)."""
+    rebuild over each other on every start (measured: 39 s of a cached start). The sources' paths are
+    hashed too: torch's build file names them, so two checkouts of the same source in one directory
+    rebuild over each other as well."""
     from edgeinfer.engine.prepared.key import cache_root
 
     digest = hashlib.sha256(" ".join(_CFLAGS).encode() + torch.__version__.encode())
     for source in [*_SOURCES, Path(__file__).with_name("isa.h")]:
-        digest.update(source.read_bytes())
+        digest.update(str(source.resolve()).encode() + source.read_bytes())
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_root() / "extensions")
     path = root / f"edgeinfer_cpu_kernels-{digest.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)
