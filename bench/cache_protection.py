@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -125,30 +127,49 @@ async def shared_system(url: str, system: str, rng: random.Random) -> list[float
     return out
 
 
-async def flood(url: str, rng: random.Random, victim_prompts: list[str], flooders: int) -> list[float]:
-    """The victim's TTFTs (repeating its own prompts) while `flooders` concurrent streams of fresh long
-    prompts from another tenant keep the queue and the cache full."""
+@dataclass
+class Flood:
+    victim_ttft_s: list[float]
+    flooder_ttft_s: list[float]  # the flooding tenant's requests that finished while the victim measured
+    seconds: float
+
+
+async def flood(
+    url: str, rng: random.Random, victim_prompts: list[str], flooders: int, seconds: float
+) -> Flood:
+    """The victim's TTFTs (cycling through its own prompts, one request at a time, for `seconds`) while
+    `flooders` concurrent streams of fresh long prompts from another tenant keep the queue and the cache
+    full; and the flooder's requests that finished meanwhile (what protecting the victim costs it)."""
     stop = asyncio.Event()
+    measuring = asyncio.Event()
+    flooder_ttft: list[float] = []
 
     async def flooder() -> None:
         while not stop.is_set():
-            await one(url, "t1", fresh_prompt(rng, 700))
+            took = await one(url, "t1", fresh_prompt(rng, 700))
+            if measuring.is_set() and not stop.is_set():
+                flooder_ttft.append(took)
 
     tasks = [asyncio.create_task(flooder()) for _ in range(flooders)]
     await asyncio.sleep(3.0)  # the queue fills
+    measuring.set()
+    start = time.monotonic()
     out = []
-    for prompt in victim_prompts:
+    for prompt in itertools.cycle(victim_prompts):
         out.append(await one(url, "t0", prompt))
+        if time.monotonic() - start >= seconds:
+            break
+    elapsed = time.monotonic() - start
     stop.set()
     await asyncio.gather(*tasks)
-    return out
+    return Flood(out, flooder_ttft, elapsed)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     args = parser.parse_args()
-    n_audit, reps = (6, 2) if args.quick else (16, 3)
+    n_audit, reps, flood_s = (6, 2, 8.0) if args.quick else (16, 3, 30.0)
     rng = random.Random(0)
     load_before = os.getloadavg()[0]
     lines = Lines()
@@ -186,16 +207,23 @@ def main() -> int:
         )
         victim = [fresh_prompt(rng, 30) for _ in range(3)]
         for label, extra in (
-            ("shares + fair scheduling on", ()),
-            ("off (--no-tenant-shares)", ("--no-tenant-shares",)),
+            ("shares, fair scheduling and shared step time on", ()),
+            ("without the shared step time (--shared-step-ms 0)", ("--shared-step-ms", "0")),
+            (
+                "all off (--no-tenant-shares --shared-step-ms 0)",
+                ("--no-tenant-shares", "--shared-step-ms", "0"),
+            ),
         ):
             with Node(work, "--kv-cache-memory", "48MiB", *extra) as node:
                 solo = [asyncio.run(one(node.url, "t0", p)) for p in victim * 2]
-                flooded = asyncio.run(flood(node.url, rng, victim * 2, 6))
+                flooded = asyncio.run(flood(node.url, rng, victim, 6, flood_s))
+            rate = len(flooded.flooder_ttft_s) / flooded.seconds * 60
             lines.append(
                 f"| flood, {label} | victim TTFT p50 solo {p50(solo):.0f} ms, "
-                f"under flood {p50(flooded):.0f} ms: "
-                f"**{p50(flooded) / p50(solo):.2f}x** | 6 concurrent ~800-token streams from another tenant |"
+                f"under flood {p50(flooded.victim_ttft_s):.0f} ms: "
+                f"**{p50(flooded.victim_ttft_s) / p50(solo):.2f}x** | flooder (6 concurrent ~800-token "
+                f"streams): {rate:.0f} requests/min, TTFT p50 "
+                f"{p50(flooded.flooder_ttft_s) if flooded.flooder_ttft_s else float('nan'):.0f} ms |"
             )
     load_after = os.getloadavg()[0]
     body = "\n".join(

@@ -8,7 +8,7 @@ import pytest
 
 from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig
-from edgeinfer.types import SamplingParams
+from edgeinfer.types import FinishReason, SamplingParams
 
 _ids = itertools.count()
 
@@ -80,3 +80,54 @@ def test_priority_classes_still_come_first() -> None:
     urgent = _req("b", 200, priority=0)
     first = _first_token_steps(s, [*low, urgent])
     assert first[urgent.request_id] <= min(first[r.request_id] for r in low)
+
+
+def test_a_tenant_arriving_mid_burst_gets_its_first_token_in_the_next_step() -> None:
+    s = _scheduler(True)
+    for r in [_req("burst", 700) for _ in range(6)]:
+        s.add_request(r)
+    for _ in range(3):  # the burst alone: whole budgets of its prefill
+        out = s.schedule()
+        assert out.num_tokens == 256
+        s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+    short = _req("quiet", 20)
+    s.add_request(short)
+    out = s.schedule()
+    mine = [c for c in out.chunks if c.request_id == short.request_id]
+    assert len(mine) == 1 and mine[0].sample and mine[0].num_tokens == 20
+    others = sum(c.num_tokens for c in out.chunks if c.request_id != short.request_id)
+    assert others <= 256 // 4  # the step that brings it its first token stays short
+    s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+    assert s.schedule().num_tokens == 256  # then the burst has the budget again
+
+
+def test_the_step_budget_follows_the_step_time_target() -> None:
+    kv = KVCacheManager(4096, 16)
+    cfg = SchedulerConfig(64, 1024, max_model_len=4096, max_step_ms=250.0)
+    s = Scheduler(cfg, kv, lambda: 0.0)
+    s.add_request(_req("a", 3000))
+    assert s.schedule().num_tokens == 1024  # nothing measured yet: the maximum
+    for tokens in (1024, 1, 300, 1, 600):  # steps cost 50 ms + 1 ms a token here
+        s.observe_step(tokens, 0.050 + 0.001 * tokens)
+    assert s.step_budget() == 200
+    out = s.schedule()
+    assert out.num_tokens == 200 and not out.chunks[0].sample
+
+
+def test_a_second_tenant_present_shortens_the_steps() -> None:
+    now = [0.0]
+    kv = KVCacheManager(4096, 16)
+    cfg = SchedulerConfig(64, 1024, max_model_len=4096, max_step_ms=250.0, shared_step_ms=75.0)
+    s = Scheduler(cfg, kv, lambda: now[0])
+    for tokens in (1, 200, 1, 200):  # 50 ms + 1 ms a token
+        s.observe_step(tokens, 0.050 + 0.001 * tokens)
+    s.add_request(_req("a", 3000))
+    assert s.step_budget() == 200  # alone
+    quiet = _req("b", 10)
+    s.add_request(quiet)
+    assert s.step_budget() == 25  # b present: (75 - 50) ms buys 25 tokens
+    s.finish(quiet.request_id, FinishReason.STOP)
+    now[0] += 0.5
+    assert s.step_budget() < 200  # b sent a moment ago: still present
+    now[0] += 1.0
+    assert s.step_budget() == 200

@@ -25,6 +25,14 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    # A step's token budget is what fits in this time by the cost of recent steps (scheduler/step_cost.py),
+    # at most max_num_batched_tokens: a request arriving during someone's long prefill waits about one
+    # such step, not 1,024 tokens' worth (~1.4 s for Gemma 3 270M on two CPU cores). None: always the max.
+    max_step_ms: float | None = 250.0
+    # The same while more than one tenant is present (scheduler.py): a tenant's first token waits for
+    # little of another's prefill (victim TTFT under a flood 3.4x -> 1.4x solo at 250 -> 70 ms, measured
+    # in docs/benchmarks.md), paid in the flooder's prefill throughput. None: max_step_ms throughout.
+    shared_step_ms: float | None = 75.0
     batch_window_ms: float = 2.0
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
@@ -88,6 +96,10 @@ class EngineConfig:
             raise ValueError("block_size must be a power of two")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        for name in ("max_step_ms", "shared_step_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 (or None for no time budget)")
         if self.batch_window_ms < 0:
             raise ValueError("batch_window_ms must be >= 0")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -95,6 +95,8 @@ class LLMEngine:
             config.batch_window_ms,
             config.scheduling_policy,
             config.fair_share,
+            config.max_step_ms,
+            config.shared_step_ms,
         )
         self.scheduler = Scheduler(sched_cfg, kv, clock)
         if config.compile:
@@ -216,7 +218,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         # Blocks last written for another tenant: scrubbed before this step writes them (block_pool.py).
         self.runner.storage.zero_blocks(self.scheduler.kv.pool.take_dirty())
+        started = time.perf_counter()  # the machine's own time, whatever clock the engine is given
         result = self._execute(sched)
+        if sched.chunks:
+            self.scheduler.observe_step(sched.num_tokens, time.perf_counter() - started)
         # Fed once, after the step and any isolation re-runs: a re-run never advances a matcher twice.
         result.feed_grammar(self.runner.grammar)
         now = self.clock()

@@ -77,6 +77,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    engine.add_argument(
+        "--max-step-ms",
+        type=_step_ms,
+        default=250.0,
+        metavar="MS",
+        help="a step's token budget is what fits in MS by the cost of recent steps (at most "
+        "--max-num-batched-tokens), so a request arriving mid-prefill waits about one such step; 0: no limit",
+    )
+    engine.add_argument(
+        "--shared-step-ms",
+        type=_step_ms,
+        default=75.0,
+        metavar="MS",
+        help="the step-time target while more than one tenant is present (a tenant's first token waits for "
+        "little of another's prefill); 0: --max-step-ms throughout",
+    )
     engine.add_argument("--batch-window-ms", type=float, default=2.0)
     engine.add_argument("--quantization", default=None, help="int8, int4, fp8")
     engine.add_argument(
@@ -290,6 +306,17 @@ def build_specs(args: argparse.Namespace) -> list[MemberSpec]:
     ]
 
 
+def _step_ms(text: str) -> float | None:
+    """--max-step-ms: a positive number of milliseconds, or 0 for no time budget."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0 (0: no time budget)")
+    return value or None
+
+
 def _preload_names(args: argparse.Namespace) -> list[str]:
     if args.preload is None:
         return []
@@ -318,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_step_ms=args.max_step_ms,
+        shared_step_ms=args.shared_step_ms,
         batch_window_ms=args.batch_window_ms,
         enable_prefix_caching=not args.no_prefix_caching,
         cache_tenant_shares=not args.no_tenant_shares,

@@ -8,7 +8,15 @@ freed and it is recomputed later from its tokens, which the prefix cache often s
 
 With `fair_share` (the default), prefill work — running requests still prefilling and waiting ones —
 is handed out across tenants by weighted fair share (fairness.py) instead of in arrival order across
-everyone; within a tenant, and under the priority policy across tenants, the old order holds.
+everyone; within a tenant, and under the priority policy across tenants, the old order holds. A step
+that brings a tenant's request its first token carries little of the other tenants' prefill, so that
+token is not held back by someone else's long prompt.
+
+With `max_step_ms`, the step's token budget is what fits in that time by the cost of recent steps
+(step_cost.py), so that no request arriving while a step runs waits on more than one step-time of
+someone's long prompt. While more than one tenant is present (has requests, or had one in the last
+`PRESENCE_S`: interactive users send again soon), the shorter `shared_step_ms` holds: a tenant's first
+token then waits for little of another's prefill, which pays in prefill throughput (smaller chunks).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from edgeinfer.engine.scheduler.fairness import FairShare
 from edgeinfer.engine.scheduler.output import ScheduledChunk, SchedulerOutput
 from edgeinfer.engine.scheduler.queue import make_queue
 from edgeinfer.engine.scheduler.request import Request, RequestStatus
+from edgeinfer.engine.scheduler.step_cost import StepCost
 from edgeinfer.types import FinishReason
 
 
@@ -35,6 +44,16 @@ class SchedulerConfig:
     batch_window_ms: float = 0.0
     policy: str = "fcfs"
     fair_share: bool = True
+    max_step_ms: float | None = None
+    shared_step_ms: float | None = None
+
+
+# Fewest prefill tokens a time-budgeted step offers (a slow machine still makes progress), and the part
+# of a step's budget left to other tenants' prefill when it brings a tenant's request its first token.
+MIN_PREFILL_CHUNK = 16
+FIRST_TOKEN_SHARE = 4
+# A tenant counts as present this long after its last request arrived or ended.
+PRESENCE_S = 1.0
 
 
 class Scheduler:
@@ -49,6 +68,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.fair = FairShare()
+        self.cost = StepCost()
+        self._seen: dict[str, float] = {}  # tenant -> when its last request arrived or ended
         self._finished: list[str] = []
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -67,6 +88,7 @@ class Scheduler:
         if blocks_for(n + 1, self.kv.block_size) > self.kv.pool.num_blocks:
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache can ever hold")
         req.enqueue_time = self.clock()
+        self._seen[req.tenant] = req.enqueue_time
         self.kv.pool.set_share(req.tenant, req.cache_share)
         self.requests[req.request_id] = req
         self.waiting.push(req)
@@ -88,6 +110,7 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req.request_id)
         self.kv.free(req.request_id)
+        self._seen[req.tenant] = self.clock()
         req.status = RequestStatus.ABORTED if reason == FinishReason.ABORT else RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
@@ -104,8 +127,28 @@ class Scheduler:
         return self.waiting.peek().enqueue_time + self.config.batch_window_ms / 1000.0
 
     # ---- one step --------------------------------------------------------------------------------
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """How long the step just run took; with `max_step_ms` the next budgets follow it."""
+        self.cost.observe(tokens, seconds)
+
+    def step_budget(self) -> int:
+        """Tokens this step may schedule: the configured maximum, or what fits in the step-time target."""
+        highest = self.config.max_num_batched_tokens
+        target = self.config.max_step_ms
+        if self.config.shared_step_ms is not None and self._tenants_present() > 1:
+            target = self.config.shared_step_ms
+        if target is None:
+            return highest
+        lowest = min(highest, len(self.running) + MIN_PREFILL_CHUNK)
+        return self.cost.tokens_within(target / 1000.0, lowest, highest)
+
+    def _tenants_present(self) -> int:
+        since = self.clock() - PRESENCE_S
+        self._seen = {t: at for t, at in self._seen.items() if at >= since}
+        return len(self._seen.keys() | {r.tenant for r in self.requests.values()})
+
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = self.step_budget()
         out = SchedulerOutput()
         scheduled: set[str] = set()
         # Decodes (one token owed) before partial prefills; sorted() is stable, so arrival order holds.
@@ -142,21 +185,35 @@ class Scheduler:
         """Give the budget, one request's chunk at a time, to the least-served tenant with prefill work."""
         lanes = self._lanes(prefills, list(self.waiting) if admit else [])
         self.fair.start_step(set(lanes))
+        first_token_for: str | None = None  # a tenant whose request gets its first token this step
+        share = budget // FIRST_TOKEN_SHARE
+        others = budget  # what other tenants' prefill may still take once there is one
         while budget > 0 and lanes:
-            tenant = min(lanes, key=lambda t: (self._rank(lanes[t][0][0]), self.fair.service[t]))
+            # least served first; on a tie (a tenant that just arrived), the shortest prefill
+            tenant = min(
+                lanes, key=lambda t: (self._rank(lanes[t][0][0]), self.fair.service[t], _left(lanes[t]))
+            )
             req, waiting = lanes[tenant].popleft()
             if not lanes[tenant]:
                 del lanes[tenant]
+            offer = budget if first_token_for in (None, tenant) else min(budget, others)
+            if offer == 0:
+                continue
             if not waiting:
-                n = self._continue(req, budget, scheduled, out)
+                n = self._continue(req, offer, scheduled, out)
             elif out.preempted or len(self.running) >= self.config.max_num_seqs:
                 n = 0  # no seat (or blocks are short): waiting requests stay queued this step
             else:
-                n = self._admit_one(req, budget, out) or 0
+                n = self._admit_one(req, offer, out) or 0
                 if n == 0:  # the pool is short: admit no one this step (as FCFS stops at its head)
                     lanes = _running_only(lanes)
                     continue
                 self.waiting.remove(req.request_id)
+            if first_token_for not in (None, tenant):
+                others -= n
+            elif n and _brings_first_token(req, out):
+                first_token_for = tenant
+                others = min(budget - n, share)
             self.fair.charge(tenant, n, req.weight)
             budget -= n
 
@@ -289,6 +346,20 @@ class Scheduler:
             raise AssertionError(
                 f"blocks held by requests not running: {sorted(set(self.kv.tables) - running)}"
             )
+
+
+def _left(lane: deque[tuple[Request, bool]]) -> int:
+    """Prefill tokens the lane's next request still needs (before any prefix-cache hit)."""
+    req = lane[0][0]
+    return req.num_tokens - req.num_computed_tokens
+
+
+def _brings_first_token(req: Request, out: SchedulerOutput) -> bool:
+    """The chunk just scheduled is `req`'s and samples its first token."""
+    chunk = out.chunks[-1] if out.chunks else None
+    return (
+        chunk is not None and chunk.request_id == req.request_id and chunk.sample and not req.output_token_ids
+    )
 
 
 def _running_only(lanes: dict[str, deque[tuple[Request, bool]]]) -> dict[str, deque[tuple[Request, bool]]]:
