@@ -131,3 +131,36 @@ def test_a_second_tenant_present_shortens_the_steps() -> None:
     assert s.step_budget() < 200  # b sent a moment ago: still present
     now[0] += 1.0
     assert s.step_budget() == 200
+
+
+def test_a_tenant_filling_the_pool_gives_way_to_one_waiting_with_little() -> None:
+    kv = KVCacheManager(64, 16)  # 63 usable blocks: two 500-token prompts need 64
+    s = Scheduler(SchedulerConfig(64, 256, max_model_len=4096), kv, lambda: 0.0)
+    burst = [_req("burst", 500) for _ in range(2)]
+    for r in burst:
+        r.sampling = SamplingParams(max_tokens=4, ignore_eos=True)  # still running when `short` comes
+        s.add_request(r)
+    for _ in range(3):  # the first decodes, the second is half way through its prompt
+        out = s.schedule()
+        s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+    short = _req("quiet", 20)
+    s.add_request(short)
+    out = s.schedule()
+    assert any(c.request_id == short.request_id and c.sample for c in out.chunks)
+    assert out.preempted == [burst[1].request_id]  # the one mid-prompt, recomputed later
+    s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+    _first_token_steps(s, [])  # the rest runs to the end
+    assert not s.num_unfinished
+
+
+def test_no_preemption_for_a_tenant_already_holding_as_much() -> None:
+    kv = KVCacheManager(64, 16)
+    s = Scheduler(SchedulerConfig(64, 512, max_model_len=4096), kv, lambda: 0.0)
+    for r in (_req("a", 480), _req("b", 480)):
+        s.add_request(r)
+    out = s.schedule()
+    s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+    late = _req("b", 400)
+    s.add_request(late)
+    out = s.schedule()
+    assert not out.preempted  # b holds as many blocks as a: it waits like anyone

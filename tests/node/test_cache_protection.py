@@ -130,3 +130,44 @@ def test_ttft_bucket_holds_a_hits_first_token(node_factory, make_tenant, tiny_ll
 
     _, hit = asyncio.run(probe())
     assert hit >= 1.5  # the repeat hit the cache, so its first token waited for the bucket's end
+
+
+def test_public_prefixes_flag_shares_a_prefix_and_keeps_tails_private(tmp_path, tiny_llama_dir) -> None:
+    """`serve --public-prefixes FILE` end to end: both tenants hit the declared prefix on their first
+    request; a tenant's tail after it is hit by that tenant alone."""
+    from helpers.node_servers import NodeProcesses
+
+    from edgeinfer.node.keys import hash_key
+
+    public = "You are a careful assistant who answers briefly. " * 8
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(
+        json.dumps(
+            {"tenants": [{"name": n, "key_sha256": hash_key(k)} for n, k in (("a", KEY_A), ("b", KEY_B))]}
+        )
+    )
+    prefixes = tmp_path / "public.json"
+    prefixes.write_text(json.dumps({"tiny": {"texts": [public]}}))
+    procs = NodeProcesses(tmp_path)
+    try:
+        url = procs.start(
+            "--model", f"tiny={tiny_llama_dir}", "--preload", "--dtype", "float32", "--tenants", str(tenants),
+            "--public-prefixes", str(prefixes), "--batch-window-ms", "0",
+        )  # fmt: skip
+
+        def ask(key: str, tail: str) -> dict[str, Any]:
+            body = {"model": "tiny", "prompt": public + tail, "max_tokens": 3, "temperature": 0}
+            r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        tail = "Question from a: what is the tallest mountain on the moon, and who first climbed it? " * 2
+        first_a, first_b = ask(KEY_A, tail), ask(KEY_B, "Question from b: hello there")
+        shared = _cached(first_a)
+        assert shared > 0 and _cached(first_b) == shared  # the public prefix, for both, on first visit
+        again_b = ask(KEY_B, tail)  # a's whole prompt: b reaches the public part only
+        assert _cached(again_b) == shared
+        assert again_b["choices"][0]["text"] == first_a["choices"][0]["text"]
+        assert _cached(ask(KEY_A, tail)) > shared  # a's own tail is a's
+    finally:
+        procs.stop()

@@ -78,13 +78,14 @@ class KVCacheManager:
         prefix_blocks: list[int] | None = None,
         namespace: str = "",
         owner: str = "",
+        reserve: int = 0,
     ) -> list[int] | None:
         """Grow the request's table to hold `num_tokens` tokens; None (and nothing changed) if the pool
-        lacks blocks. A new request starts from `prefix_blocks` returned by `lookup`; the blocks it
-        computes are charged to `owner` (its tenant) once freed."""
+        lacks blocks. A new request starts from `prefix_blocks` returned by `lookup`, and only if `reserve`
+        blocks stay free beside it; the blocks it computes are charged to `owner` (its tenant) once freed."""
         table = self.tables.get(request_id)
         if table is None:
-            return self._allocate_new(request_id, num_tokens, prefix_blocks or [], namespace, owner)
+            return self._allocate_new(request_id, num_tokens, prefix_blocks or [], namespace, owner, reserve)
         need = blocks_for(num_tokens, self.block_size) - len(table)
         if need > 0:
             new = self.pool.allocate(need, self._chains[request_id].owner)
@@ -94,11 +95,11 @@ class KVCacheManager:
         return table
 
     def _allocate_new(
-        self, request_id: str, num_tokens: int, prefix: list[int], namespace: str, owner: str
+        self, request_id: str, num_tokens: int, prefix: list[int], namespace: str, owner: str, reserve: int
     ) -> list[int] | None:
         need = blocks_for(num_tokens, self.block_size) - len(prefix)
         revived = sum(1 for b in prefix if self.pool.ref_cnt[b] == 0)
-        if need + revived > self.pool.num_free:
+        if need + revived + reserve > self.pool.num_free:
             return None
         for block in prefix:
             self.pool.acquire(block)

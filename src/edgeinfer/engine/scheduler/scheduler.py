@@ -22,7 +22,7 @@ token then waits for little of another's prefill, which pays in prefill throughp
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -204,7 +204,10 @@ class Scheduler:
             elif out.preempted or len(self.running) >= self.config.max_num_seqs:
                 n = 0  # no seat (or blocks are short): waiting requests stay queued this step
             else:
-                n = self._admit_one(req, offer, out) or 0
+                n = self._admit_one(req, offer, out)
+                while n is None and self._make_room(req, scheduled, out):
+                    n = self._admit_one(req, offer, out)
+                n = n or 0
                 if n == 0:  # the pool is short: admit no one this step (as FCFS stops at its head)
                     lanes = _running_only(lanes)
                     continue
@@ -216,6 +219,27 @@ class Scheduler:
                 others = min(budget - n, share)
             self.fair.charge(tenant, n, req.weight)
             budget -= n
+
+    def _make_room(self, req: Request, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """The pool is too short for `req`: preempt the latest unscheduled request of the tenant whose
+        running requests hold the most blocks, if that is more than `req`'s tenant would hold with it
+        admitted — a tenant filling the pool gives way to one waiting with little. False: no such one."""
+        held: Counter[str] = Counter()
+        for r in self.running:
+            held[r.tenant] += len(self.kv.tables.get(r.request_id, ()))
+        mine = held[req.tenant] + blocks_for(req.num_tokens + 1, self.kv.block_size)
+        candidates = [
+            r
+            for r in self.running
+            if r.request_id not in scheduled and r.tenant != req.tenant and held[r.tenant] > mine
+        ]
+        if not candidates:
+            return False
+        heaviest = max(held[r.tenant] for r in candidates)
+        victim = [r for r in candidates if held[r.tenant] == heaviest][-1]
+        self._preempt(victim)
+        out.preempted.append(victim.request_id)
+        return True
 
     def _lanes(
         self, prefills: list[Request], waiting: list[Request]
@@ -290,7 +314,9 @@ class Scheduler:
         if req.sampling.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
             prefix, cached = self.kv.lookup(req.cache_namespace, tokens)
         n = min(len(tokens) - cached, budget)
-        table = self.kv.allocate(req.request_id, cached + n, prefix, req.cache_namespace, req.tenant)
+        table = self.kv.allocate(
+            req.request_id, cached + n, prefix, req.cache_namespace, req.tenant, self._prefill_reserve()
+        )
         if table is None:
             return None
         if req.num_preemptions == 0:
@@ -301,6 +327,16 @@ class Scheduler:
         self.running.append(req)
         out.chunks.append(self._chunk(req, n, table))
         return n
+
+    def _prefill_reserve(self) -> int:
+        """Blocks the running requests still need to finish their prompts: a new request is admitted only
+        beside them, or admitting it would preempt one of them mid-prompt (and then another, in turn)."""
+        bs = self.kv.block_size
+        return sum(
+            max(blocks_for(r.num_tokens, bs) - len(self.kv.tables.get(r.request_id, ())), 0)
+            for r in self.running
+            if r.status == RequestStatus.RUNNING and r.num_tokens - r.num_computed_tokens > 1
+        )
 
     @staticmethod
     def _chunk(req: Request, n: int, table: list[int]) -> ScheduledChunk:
