@@ -116,7 +116,7 @@ def test_audit_cache_runs_against_a_node(two_tenants) -> None:
     assert stats.prefix_cache_hits > 0  # A's repeats hit; B's never can (test above)
 
 
-def test_ttft_bucket_holds_a_hits_first_token(node_factory, make_tenant, tiny_llama_dir) -> None:
+def test_ttft_bucket_holds_every_first_token(node_factory, make_tenant, tiny_llama_dir) -> None:
     node = node_factory(
         {"tiny": tiny_llama_dir},
         tenants=[make_tenant("alpha", KEY_A)],
@@ -128,8 +128,9 @@ def test_ttft_bucket_holds_a_hits_first_token(node_factory, make_tenant, tiny_ll
         async with httpx.AsyncClient(base_url=node.url, timeout=60) as client:
             return [await ttft(client, "tiny", KEY_A, PROMPT) for _ in range(2)]
 
-    _, hit = asyncio.run(probe())
-    assert hit >= 1.5  # the repeat hit the cache, so its first token waited for the bucket's end
+    miss, hit = asyncio.run(probe())
+    # the miss and the hit (its repeat) both wait for the end of the first bucket: one can't tell them apart
+    assert 1.5 <= miss < 3.0 and 1.5 <= hit < 3.0
 
 
 def test_public_prefixes_flag_shares_a_prefix_and_keeps_tails_private(tmp_path, tiny_llama_dir) -> None:

@@ -178,9 +178,11 @@ class LocalBackend(Backend):
             outcome.usage = self._total_usage(job.n)
 
     async def _hold_first_token(self, job: Job, item: RequestOutput) -> None:
-        """Timing hygiene (NodeLimits.ttft_bucket_ms): a hit's first token waits for its bucket's end."""
+        """Timing hygiene (NodeLimits.ttft_bucket_ms): every first token waits for its bucket's end.
+        Every one, not only hits': held alone, hits land on bucket ends while misses do not, which tells
+        them apart as surely as speed does (measured: a same-tenant AUC of 0.38 with hits alone held)."""
         bucket = self._limits.ttft_bucket_ms / 1000.0
-        if bucket <= 0 or item.usage.cached_tokens == 0:
+        if bucket <= 0:
             return
         elapsed = time.monotonic() - job.arrival
         await asyncio.sleep(math.ceil(elapsed / bucket) * bucket - elapsed)
