@@ -231,7 +231,7 @@ _LIMIT_HELP = {
     "max_n": "choices per request (n × prompts)",
     "max_top_logprobs": "top logprobs per token",
     "max_stop": "stop sequences per request",
-    "ttft_bucket_ms": "hold every first token until a multiple of this many ms (hides prefix-cache hits); 0: off",
+    "ttft_bucket_ms": "hold every first token to a multiple of this many ms (hides cache hits); 0: off",
     "max_body_bytes": "request body bytes",
     "max_queue_depth": "requests waiting per model before 429 (code 3040)",
     "workers_ai_default_max_tokens": "max_tokens when a Workers-AI request gives none",
