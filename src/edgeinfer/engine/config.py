@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The models served when none is named (the loader fetches them from PyPI on first use: model/loader/).
 DEFAULT_MODEL = "gemma-3-270m"
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
+from edgeinfer.engine.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from edgeinfer.node.config import ConnectionLimits, NodeConfig, NodeLimits, default_usage_db
 from edgeinfer.obs.access_log import ACCESS_LOGGER
 from edgeinfer.pool.spec import (
@@ -23,9 +24,7 @@ from edgeinfer.pool.spec import (
 )
 from edgeinfer.types.router_trust import load_secret
 
-DEFAULT_MODEL = "gemma-3-270m"
 DEFAULT_ALIASES = ("@cf/google/gemma-3-270m",)
-DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 DEFAULT_EMBEDDING_ALIASES = ("@cf/sentence-transformers/all-minilm-l6-v2",)
 
 
