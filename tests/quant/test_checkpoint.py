@@ -13,7 +13,9 @@ import torch
 from safetensors import safe_open
 
 from edgeinfer.cli import main
-from edgeinfer.engine.attention import AttentionMetadata, KVCacheStorage, get_attention_backend
+from edgeinfer.engine.attention.backend import get_attention_backend
+from edgeinfer.engine.attention.metadata import AttentionMetadata
+from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.model.registry import build_model
 from edgeinfer.engine.quant import (

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from edgeinfer.engine.attention.metadata import AttentionMetadata
+from edgeinfer.engine.attention.registry import ATTENTION_BACKENDS, load_class
 from edgeinfer.engine.attention.storage import KVCacheStorage
 
 
@@ -39,22 +40,6 @@ class AttentionBackend(ABC):
         `q_pos - k_pos < window` only (HF sliding-window semantics); `softcap`: tanh logit cap."""
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {}
-
-
-def register_backend(name: str):
-    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        _BACKENDS[name] = cls
-        return cls
-
-    return wrap
-
-
 def get_attention_backend(name: str, storage: KVCacheStorage) -> AttentionBackend:
-    # Import here so that registering backends needs no import order from callers.
-    from edgeinfer.engine.attention import torch_backend  # noqa: F401
-
-    try:
-        return _BACKENDS[name](storage)
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r} (known: {', '.join(_BACKENDS)})") from None
+    """The backend registered as `name` (registry.py) over `storage`."""
+    return load_class(ATTENTION_BACKENDS, name, "attention backend")(storage)

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from edgeinfer.engine.attention import KVCacheStorage, get_attention_backend
+from edgeinfer.engine.attention.backend import get_attention_backend
+from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.model.compile import DecodeCompiledForward
 from edgeinfer.engine.quant.kernels.decode import use_decode_ops
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer

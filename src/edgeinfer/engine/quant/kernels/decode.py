@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from edgeinfer.engine.attention import AttentionBackend
+from edgeinfer.engine.attention.backend import AttentionBackend
 from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
 from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.layers.norm import RMSNorm
