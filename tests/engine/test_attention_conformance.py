@@ -4,8 +4,8 @@ One mixed step holds what a serving step can: decodes of different lengths (thei
 point at the null block), a fresh prompt, a chunk continuing an earlier one, and a prefix hit that shares
 another sequence's first blocks. The reference is float64 attention over what the cache stores, read back
 with `storage.gather` (for a quantized cache, the dequantized values), so a backend is held to exact
-attention over its own cache. Every backend named in engine/attention/registry.py runs all of this, with
-both MLA decode modes; a backend for another device (a CUDA kernel) adds that device to `DEVICES`.
+attention over its own cache. Every backend and MLA decode mode named in engine/attention/registry.py
+runs all of this; a backend for another device (a CUDA kernel) adds that device to `DEVICES`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from edgeinfer.engine.attention.backend import get_attention_backend
 from edgeinfer.engine.attention.metadata import AttentionMetadata
 from edgeinfer.engine.attention.mla import LatentShape, get_latent_attention
-from edgeinfer.engine.attention.registry import ATTENTION_BACKENDS
+from edgeinfer.engine.attention.registry import ATTENTION_BACKENDS, MLA_MODES
 from edgeinfer.engine.attention.storage import KVCacheStorage, KVSpec
 from edgeinfer.engine.kv_cache import NULL_BLOCK
 
@@ -141,7 +141,7 @@ def _mla_reference(shape: LatentShape, q_nope, q_pe, latent, kv_b, q_pos, scale)
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend_name", list(ATTENTION_BACKENDS))
-@pytest.mark.parametrize("mode", ["absorb", "expand"])
+@pytest.mark.parametrize("mode", list(MLA_MODES))
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_latent_attention_equals_dense_reference(device, backend_name, mode, kv_dtype) -> None:
     g = torch.Generator().manual_seed(1)

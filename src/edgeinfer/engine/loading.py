@@ -6,6 +6,7 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -69,14 +70,15 @@ def load_model(
     (engine/prepared), and a later load with the same source and settings memory-maps it instead."""
     config = config or EngineConfig(model=str(ckpt.path))
     cache, key = _prepared_cache(ckpt, dtype, device, config)
-    model = cache.load(key, lambda: _build(ckpt, dtype, torch.device("meta"))) if cache else None
+    skeleton = partial(_build, ckpt, dtype, torch.device("meta"), config.mla_mode)  # what the cache fills
+    model = cache.load(key, skeleton) if cache else None
     if model is not None and not _kernels_ready(model, config):
         model = None
     if model is None:
         model = _load_fresh(ckpt, dtype, device, config)
         # a model left on torch's kernels because ours did not build here is not what the key stands for
         if cache and (uses_cpu_gemv(model) or not _wants_cpu_gemv(config, device) or not _gemv_layers(model)):
-            cache.save(key, model, _build(ckpt, dtype, torch.device("meta")))
+            cache.save(key, model, skeleton())
     return model.eval().requires_grad_(False)
 
 
@@ -85,13 +87,13 @@ def load_model(
 _DEFAULT_DTYPE_LOCK = threading.Lock()
 
 
-def _build(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _build(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, mla_mode: str) -> nn.Module:
     with _DEFAULT_DTYPE_LOCK:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device), _SkipInit() if device.type == "meta" else contextlib.nullcontext():
-                return build_model(ckpt.config)
+                return build_model(ckpt.config, mla_mode)
         finally:
             torch.set_default_dtype(previous)
 
@@ -99,7 +101,7 @@ def _build(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Mod
 def _load_fresh(
     ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, config: EngineConfig
 ) -> nn.Module:
-    model = _build(ckpt, dtype, device)
+    model = _build(ckpt, dtype, device, config.mla_mode)
     stored = QuantizationConfig.from_hf(ckpt.config)
     if stored is not None:
         _load_quantized(model, ckpt, stored, config, dtype, device)

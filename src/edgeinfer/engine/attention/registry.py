@@ -14,6 +14,14 @@ ATTENTION_BACKENDS: Mapping[str, str] = {
 }
 DEFAULT_ATTENTION_BACKEND = "torch"
 
+# How MLA models decode over their cache of latents (`LatentAttention` subclasses, mla.py); both are exact.
+MLA_MODES: Mapping[str, str] = {
+    "absorb": "edgeinfer.engine.attention.mla:AbsorbLatentAttention",
+    "expand": "edgeinfer.engine.attention.mla:ExpandLatentAttention",
+}
+# Absorb never up-projects the context, and measured faster on CPU (docs/benchmarks.md, MoE decode).
+DEFAULT_MLA_MODE = "absorb"
+
 
 def check_name(table: Mapping[str, str], name: str, what: str) -> None:
     """A ValueError naming the known entries when `name` is not one of them."""
