@@ -171,6 +171,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="save the usage of requests in flight this often; a crash loses at most this much "
         f"({NodeConfig.usage_checkpoint_s:g})",
     )
+    server.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=NodeConfig.switch_interval_s * 1000,
+        metavar="MS",
+        help="the interpreter's GIL switch interval: how long the engines' step threads may wait for the "
+        f"GIL while the event loop holds it ({NodeConfig.switch_interval_s * 1000:g}; Python's default 5)",
+    )
     connections = parser.add_argument_group("slow or stalled clients (seconds; connections)")
     for name, text in _CONNECTION_HELP.items():
         value = getattr(ConnectionLimits(), name)
@@ -252,6 +260,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         nats_url=args.nats_url,
         status_interval_s=args.status_interval_ms / 1000.0,
         router_secret=load_secret(args.router_secret_file) if args.router_secret_file else None,
+        switch_interval_s=args.switch_interval_ms / 1000.0,
     )
 
 
@@ -305,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     from edgeinfer.engine.config import EngineConfig
     from edgeinfer.node.app import create_app
     from edgeinfer.node.files import load_table
-    from edgeinfer.node.server import uvicorn_config
+    from edgeinfer.node.server import configure_process, uvicorn_config
     from edgeinfer.pool.loader import EngineLoader
     from edgeinfer.pool.manager import ModelPool
 
@@ -340,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
     for name in config.preload:
         pool.resolve(name)  # an unknown --preload name fails here, in one line, before anything loads
     _configure_access_log(enabled=not args.no_access_log)
+    configure_process(config)
     app = create_app(config, pool)
     uvicorn.Server(uvicorn_config(app, config, args.host, args.port)).run()
     return 0
