@@ -175,8 +175,8 @@ def measure_quality(engines: dict[str, LLMEngine], rows, args) -> float:
 
 
 def measure_codec(model: str) -> dict[str, float]:
-    from edgeinfer.engine.quant.cli import open_source
-    from edgeinfer.engine.quant.codec import compress_tensors, open_compressed
+    from edgeinfer.engine.model.loader.codec import compress_tensors, open_compressed
+    from edgeinfer.engine.model.loader.conversion import open_source
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.eiz"

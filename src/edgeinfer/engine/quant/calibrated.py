@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from edgeinfer.engine.model.loader.conversion import CheckpointSource
 from edgeinfer.engine.quant.apply import SkipRule, make_skip
 from edgeinfer.engine.quant.base import WeightMethod
 from edgeinfer.engine.quant.calibrate import calibration_ids
-from edgeinfer.engine.quant.io import CheckpointSource
 from edgeinfer.engine.quant.smoothing import scale_for_quantization
 
 log = logging.getLogger(__name__)
