@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
+from edgeinfer.corpus import load_text
 from edgeinfer.engine.attention.storage import kv_bytes_per_token
 from edgeinfer.engine.config import DEFAULT_MODEL, EngineConfig
 from edgeinfer.engine.engine import LLMEngine
 from edgeinfer.engine.loading import uses_cpu_gemv
 from edgeinfer.engine.quant.calibrate import GPTQ_TOKENS
 from edgeinfer.engine.quant.kv import get_kv_quantizer
-from edgeinfer.eval.corpus import load_text
 from edgeinfer.eval.harness import eval_tokens
 from edgeinfer.eval.scoring import Candidate, Comparison, compare
 from edgeinfer.types import EngineRequest, SamplingParams

@@ -31,10 +31,10 @@ sys.path.insert(0, str(REPO / "src"))
 
 import peers  # noqa: E402
 
+from edgeinfer.corpus import load_text  # noqa: E402
 from edgeinfer.engine.model.loader.default_model import resolve_default_model  # noqa: E402
 from edgeinfer.engine.quant.calibrate import GPTQ_TOKENS  # noqa: E402
 from edgeinfer.engine.tokenizer import Tokenizer  # noqa: E402
-from edgeinfer.eval.corpus import load_text  # noqa: E402
 from edgeinfer.eval.harness import EvalSettings, build_engine, eval_tokens  # noqa: E402
 from edgeinfer.eval.scoring import Candidate, compare  # noqa: E402
 

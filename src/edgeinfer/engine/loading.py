@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from edgeinfer.engine.attention.oneshot import prefill_hidden
 from edgeinfer.engine.attention.storage import kv_bytes_per_token
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.model.loader import Checkpoint
@@ -28,7 +30,7 @@ from edgeinfer.engine.quant.checkpoint import QuantizationConfig, apply_quantize
 from edgeinfer.engine.quant.kernels.bf16 import GemvLinear, use_bf16_gemv
 from edgeinfer.engine.quant.kv import get_kv_quantizer
 from edgeinfer.engine.quant.layers import PreparedModule
-from edgeinfer.engine.quant.smoothing import scale_for_quantization
+from edgeinfer.engine.quant.smoothing import SmoothReport, scale_for_quantization
 
 log = logging.getLogger(__name__)
 
@@ -216,15 +218,7 @@ def _quantize_float_model(
     head = head_method(config.lm_head_quantization, method)
     states: dict[str, dict[str, torch.Tensor]] = {}
     if config.calibrate_quantization:
-        from edgeinfer.engine.tokenizer import Tokenizer  # the tokenizer pulls in transformers
-
-        tok = Tokenizer.from_checkpoint(ckpt)
-        gptq = config.gptq_calibration
-        ids = calibration_ids(tok, gptq)
-        with torch.no_grad():
-            report = scale_for_quantization(
-                model, method, ids, tok.bos_token_id, dtype, device, head_method=head, gptq=gptq is not None
-            )
+        report = calibrate(model, ckpt, method, dtype, device, config.gptq_calibration, head=head)
         states = report.states
     quantize_model(
         model,
@@ -234,6 +228,30 @@ def _quantize_float_model(
         head_method=head,
         states=states,
     )
+
+
+def calibrate(
+    model: nn.Module,
+    ckpt: Checkpoint,
+    method: WeightMethod,
+    dtype: torch.dtype,
+    device: torch.device,
+    gptq: str | None,
+    skip: Callable[[str], bool] = lambda name: False,
+    head: WeightMethod | None = None,
+) -> SmoothReport:
+    """Scale the float model's layer inputs for `method` (and the lm_head's for a `head` method) on its
+    activations over the calibration text, each window a one-shot prefill; with `gptq` (its text) int4
+    layers are rounded by GPTQ."""
+    from edgeinfer.engine.tokenizer import Tokenizer  # the tokenizer pulls in transformers
+
+    tok = Tokenizer.from_checkpoint(ckpt)
+    ids = calibration_ids(tok, gptq)
+    prefill = partial(prefill_hidden, model, dtype=dtype, device=device)
+    with torch.no_grad():
+        return scale_for_quantization(
+            model, method, ids, tok.bos_token_id, prefill, skip, head_method=head, gptq=gptq is not None
+        )
 
 
 def head_method(spec: str, weights: WeightMethod) -> WeightMethod | None:

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from edgeinfer.eval.corpus import DEFAULT_TEXT
-from edgeinfer.eval.harness import EvalSettings, run_eval
+from edgeinfer.eval.harness import DEFAULT_TEXT, EvalSettings, run_eval
 
 
 def _quantization(value: str) -> str | None:

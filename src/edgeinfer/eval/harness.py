@@ -7,19 +7,22 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from edgeinfer.corpus import NEWS_TEXT, Corpus, load_text
 from edgeinfer.engine.attention.oneshot import BLOCK_SIZE
 from edgeinfer.engine.config import DEFAULT_MODEL, EngineConfig
 from edgeinfer.engine.engine import LLMEngine
 from edgeinfer.engine.loading import parse_quantization
 from edgeinfer.engine.quant.kv import get_kv_quantizer
 from edgeinfer.engine.tokenizer import Tokenizer
-from edgeinfer.eval.corpus import DEFAULT_TEXT, EvalText, load_text
 from edgeinfer.eval.metrics import greedy_match_length
 from edgeinfer.eval.report import EvalReport, ModelSide
 from edgeinfer.eval.scoring import Candidate, compare
 from edgeinfer.types import SamplingParams
 
 log = logging.getLogger(__name__)
+
+# Held-out news, unrelated to the texts quantization calibrates on (quant/calibrate.py).
+DEFAULT_TEXT = NEWS_TEXT
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ def build_engine(
     )
 
 
-def eval_tokens(text: EvalText, tokenizer: Tokenizer, n: int) -> list[int]:
+def eval_tokens(text: Corpus, tokenizer: Tokenizer, n: int) -> list[int]:
     """The first `n` tokens of the text (no BOS: windows add their own)."""
     ids = tokenizer.encode(text.text, add_special_tokens=False)
     if len(ids) < n:
@@ -105,7 +108,7 @@ def eval_tokens(text: EvalText, tokenizer: Tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def greedy_prompts(text: EvalText, tokenizer: Tokenizer, count: int, length: int) -> list[list[int]]:
+def greedy_prompts(text: Corpus, tokenizer: Tokenizer, count: int, length: int) -> list[list[int]]:
     """`count` fixed prompts: the first `length` tokens of documents spread evenly through the text."""
     docs = text.documents
     picks = [docs[i * len(docs) // count] for i in range(count)] if count else []

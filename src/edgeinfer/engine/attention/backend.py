@@ -18,6 +18,10 @@ class AttentionBackend(ABC):
     the step's new K/V into the cache and attends each query to its sequence's whole context.
     """
 
+    # Set by the runner for a model whose layers run on our CPU kernels: a backend with a path through our
+    # one-call decode ops (quant/kernels/decode_ops.cpp) takes it; others ignore it.
+    decode_ops = False
+
     def __init__(self, storage: KVCacheStorage) -> None:
         self.storage = storage
         self.meta: AttentionMetadata | None = None

@@ -72,9 +72,8 @@ def _grouped_decode(
 
 
 class TorchPagedBackend(AttentionBackend):
-    # Set by `kernels.decode.use_decode_ops`: a one-sequence decode step over a plain bf16 cache takes
-    # one call of our `paged_decode_one` (write, then attend over the blocks where they lie) per layer.
-    decode_ops = False
+    """With `decode_ops`, a one-sequence decode step over a plain bf16 cache takes one call of our
+    `paged_decode_one` (write, then attend over the blocks where they lie) per layer."""
 
     def attend(self, layer, q, k, v, scale, window=None, softcap=None):
         meta = self.meta

@@ -55,7 +55,8 @@ class ModelRunner:
         self.device = device
         self.backend = get_attention_backend(backend, storage)
         if decode_ops:  # the model runs on our CPU kernels, so they are built and loaded
-            use_decode_ops(model, self.backend)
+            use_decode_ops(model)
+            self.backend.decode_ops = True
         self.sampler = Sampler(vocab_limit)
         self.grammar = GrammarRuntime(guidance_tokenizer) if guidance_tokenizer is not None else None
         self.num_steps = 0
