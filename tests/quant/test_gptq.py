@@ -11,7 +11,6 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.quant import QuantizationError, get_weight_method
 from edgeinfer.engine.quant.gptq import gptq_int4
 from edgeinfer.engine.quant.smoothing import scale_for_quantization
-from edgeinfer.eval.harness import EvalSettings
 
 G = 32
 
@@ -75,8 +74,6 @@ def test_gptq_is_refused_for_other_methods_and_without_calibration():
         EngineConfig(quantization="int8", gptq_calibration="enwiki")
     with pytest.raises(ValueError, match="calibrate"):
         EngineConfig(quantization="int4", gptq_calibration="enwiki", calibrate_quantization=False)
-    with pytest.raises(ValueError, match="int4"):
-        EvalSettings(quantization="int8", gptq="enwiki")
 
 
 def test_wiki_prose_strips_markup():

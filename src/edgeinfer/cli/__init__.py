@@ -13,6 +13,7 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import NoReturn
 
 # subcommand → (module, help). Modules import lazily so `edgeinfer generate` never loads the server.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -35,13 +36,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake is one line, as every other error the user can fix (the usage of a command with
+    dozens of flags would bury it; `--help` prints it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _load(name: str):
     module = importlib.import_module(COMMANDS[name][0])
     return getattr(module, f"{name}_command", module)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edgeinfer", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="edgeinfer", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
