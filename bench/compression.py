@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
+from edgeinfer.corpus import load_text
 from edgeinfer.engine.attention.storage import kv_bytes_per_token
 from edgeinfer.engine.config import DEFAULT_MODEL, EngineConfig
 from edgeinfer.engine.engine import LLMEngine
 from edgeinfer.engine.loading import uses_cpu_gemv
 from edgeinfer.engine.quant.calibrate import GPTQ_TOKENS
 from edgeinfer.engine.quant.kv import get_kv_quantizer
-from edgeinfer.eval.corpus import load_text
 from edgeinfer.eval.harness import eval_tokens
 from edgeinfer.eval.scoring import Candidate, Comparison, compare
 from edgeinfer.types import EngineRequest, SamplingParams
@@ -175,8 +175,8 @@ def measure_quality(engines: dict[str, LLMEngine], rows, args) -> float:
 
 
 def measure_codec(model: str) -> dict[str, float]:
-    from edgeinfer.engine.quant.cli import open_source
-    from edgeinfer.engine.quant.codec import compress_tensors, open_compressed
+    from edgeinfer.engine.model.loader.codec import compress_tensors, open_compressed
+    from edgeinfer.engine.model.loader.conversion import open_source
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.eiz"

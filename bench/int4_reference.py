@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,11 +32,13 @@ sys.path.insert(0, str(REPO / "src"))
 
 import peers  # noqa: E402
 
+from edgeinfer.corpus import load_text  # noqa: E402
+from edgeinfer.engine.config import EngineConfig  # noqa: E402
+from edgeinfer.engine.engine import LLMEngine  # noqa: E402
 from edgeinfer.engine.model.loader.default_model import resolve_default_model  # noqa: E402
 from edgeinfer.engine.quant.calibrate import GPTQ_TOKENS  # noqa: E402
 from edgeinfer.engine.tokenizer import Tokenizer  # noqa: E402
-from edgeinfer.eval.corpus import load_text  # noqa: E402
-from edgeinfer.eval.harness import EvalSettings, build_engine, eval_tokens  # noqa: E402
+from edgeinfer.eval.harness import EvalSettings, eval_tokens  # noqa: E402
 from edgeinfer.eval.scoring import Candidate, compare  # noqa: E402
 
 CALIBRATION = "enwiki"
@@ -90,15 +93,15 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     peers.build()
     settings = EvalSettings(tokens=args.tokens, stride=args.stride)
-    baseline = build_engine(settings, None, "auto")
+    baseline = LLMEngine(settings.baseline)
     bf16 = peers.peer_gguf("bf16", resolve_default_model())
     files = peer_files(bf16, baseline.tokenizer, args.threads)
     candidates = [
-        Candidate.from_engine(label, build_engine(EvalSettings(model=str(f)), None, "auto"))
+        Candidate.from_engine(label, LLMEngine(replace(settings.baseline, model=str(f))))
         for label, f in files.items()
     ]
-    ours = EvalSettings(quantization="int4", gptq=CALIBRATION)
-    candidates.append(Candidate.from_engine(OURS, build_engine(ours, "int4", "auto", ours.cpu_gemv)))
+    ours = EngineConfig(quantization="int4", gptq_calibration=CALIBRATION)
+    candidates.append(Candidate.from_engine(OURS, LLMEngine(ours)))
     ids = eval_tokens(load_text(settings.text), baseline.tokenizer, settings.tokens)
     result = compare(
         Candidate.from_engine("baseline", baseline),

@@ -179,7 +179,7 @@ NOTES = [
     "is HF's best case: edgeinfer keeps its rate while requests come and go). On MLA, HF caches latents but "
     "re-expands the whole context through `kv_b_proj` every step (our expand mode); absorbed decode skips "
     "that, hence the gap at 8 and 32 sequences and over long contexts. Absorb is the default "
-    "(`EDGEINFER_MLA_MODE=absorb|expand`).",
+    "(`--mla-mode absorb|expand`).",
 ]
 
 

@@ -4,8 +4,8 @@ One mixed step holds what a serving step can: decodes of different lengths (thei
 point at the null block), a fresh prompt, a chunk continuing an earlier one, and a prefix hit that shares
 another sequence's first blocks. The reference is float64 attention over what the cache stores, read back
 with `storage.gather` (for a quantized cache, the dequantized values), so a backend is held to exact
-attention over its own cache. A new backend (a CUDA kernel) runs all of this by adding its registered
-name to `GQA_BACKENDS` (and its device to `DEVICES`); a new MLA decode path adds itself to `MLA_MODES`.
+attention over its own cache. Every backend and MLA decode mode named in engine/attention/registry.py
+runs all of this; a backend for another device (a CUDA kernel) adds that device to `DEVICES`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from edgeinfer.engine.attention import AttentionMetadata, KVCacheStorage, KVSpec, get_attention_backend
+from edgeinfer.engine.attention.backend import get_attention_backend
+from edgeinfer.engine.attention.metadata import AttentionMetadata
 from edgeinfer.engine.attention.mla import LatentShape, get_latent_attention
+from edgeinfer.engine.attention.registry import ATTENTION_BACKENDS, MLA_MODES
+from edgeinfer.engine.attention.storage import KVCacheStorage, KVSpec
 from edgeinfer.engine.kv_cache import NULL_BLOCK
 
-GQA_BACKENDS = ["torch"]
-MLA_MODES = ["absorb", "expand"]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 KV_DTYPES = ["auto", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"]
 BS = 4  # block size
@@ -103,7 +104,7 @@ def _assert_null_block_untouched(storage: KVCacheStorage) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("backend_name", GQA_BACKENDS)
+@pytest.mark.parametrize("backend_name", list(ATTENTION_BACKENDS))
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 20.0)])
 def test_paged_attention_equals_dense_reference(device, backend_name, kv_dtype, window, softcap) -> None:
@@ -139,8 +140,8 @@ def _mla_reference(shape: LatentShape, q_nope, q_pe, latent, kv_b, q_pos, scale)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("backend_name", GQA_BACKENDS)
-@pytest.mark.parametrize("mode", MLA_MODES)
+@pytest.mark.parametrize("backend_name", list(ATTENTION_BACKENDS))
+@pytest.mark.parametrize("mode", list(MLA_MODES))
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_latent_attention_equals_dense_reference(device, backend_name, mode, kv_dtype) -> None:
     g = torch.Generator().manual_seed(1)

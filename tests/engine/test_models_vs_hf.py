@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from edgeinfer.engine.attention import AttentionMetadata, KVCacheStorage, get_attention_backend
+from edgeinfer.engine.attention.backend import get_attention_backend
+from edgeinfer.engine.attention.metadata import AttentionMetadata
+from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.types import SamplingParams
 
 FAMILIES = ["llama", "qwen3", "gemma3"]

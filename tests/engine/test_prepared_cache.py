@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from edgeinfer.engine.attention import AttentionMetadata, KVCacheStorage, get_attention_backend
+from edgeinfer.engine.attention.backend import get_attention_backend
+from edgeinfer.engine.attention.metadata import AttentionMetadata
+from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.loading import load_model
 from edgeinfer.engine.model.loader import open_checkpoint

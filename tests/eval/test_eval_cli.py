@@ -14,9 +14,10 @@ from helpers.tiny_models import make_tiny
 from transformers import AutoModelForCausalLM
 
 from edgeinfer.cli import main
+from edgeinfer.corpus import load_text
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
-from edgeinfer.eval.corpus import load_text
+from edgeinfer.eval.harness import DEFAULT_TEXT
 from edgeinfer.eval.scoring import Candidate, compare
 
 WORDS = [
@@ -159,7 +160,7 @@ def test_quantized_kv_cache_shows_in_the_scores(tiny):
     importlib.util.find_spec("gensim") is None, reason="gensim (the eval text) is not installed"
 )
 def test_default_text_is_the_packaged_english_news_corpus():
-    text = load_text()
+    text = load_text(DEFAULT_TEXT)
     assert len(text.documents) == 300 and text.source.endswith("lee_background.cor")
     assert text.documents[0].startswith("Hundreds of people have been forced to vacate their homes")
     assert 55_000 < len(text.text.split()) < 65_000

@@ -83,10 +83,11 @@ def test_q_lora_rank_must_be_given_even_if_null(moe_models):
         build_model(cfg)
 
 
-def test_unknown_mla_mode_is_refused(monkeypatch):
-    monkeypatch.setenv("EDGEINFER_MLA_MODE", "fastest")
-    with pytest.raises(ValueError, match="EDGEINFER_MLA_MODE"):
-        get_latent_attention()
+def test_unknown_mla_mode_is_refused():
+    with pytest.raises(ValueError, match=r"unknown MLA mode 'fastest' \(known: absorb, expand\)"):
+        EngineConfig(mla_mode="fastest")
+    with pytest.raises(ValueError, match="unknown MLA mode 'fastest'"):
+        get_latent_attention("fastest")
     assert get_latent_attention("expand").name == "expand"
 
 

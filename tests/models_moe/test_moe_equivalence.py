@@ -68,12 +68,15 @@ def test_preempted_equals_unpreempted(family, sp, moe_models, reference, engine_
     assert eng.stats().num_preemptions > 0  # the pool really was too small
 
 
-def test_expand_mode_equals_absorb_mode(moe_models, reference, engine_factory, monkeypatch):
-    """EDGEINFER_MLA_MODE=expand decodes by expanding the latents; the tokens do not change."""
-    monkeypatch.setenv("EDGEINFER_MLA_MODE", "expand")
-    eng = engine_factory(moe_models["deepseek_v3"])
-    assert type(eng.model.model.layers[0].self_attn.impl).__name__ == "ExpandLatentAttention"
-    assert tokens(eng, PROMPTS, GREEDY) == reference["deepseek_v3", id(GREEDY)]
+def test_two_engines_of_one_process_decode_in_their_own_mla_modes(moe_models, reference, engine_factory):
+    """`mla_mode` is each engine's: an expand engine built beside an absorb one keeps expanding the latents
+    (and the absorb one absorbing), and the tokens do not change."""
+    absorb = engine_factory(moe_models["deepseek_v3"], mla_mode="absorb")
+    expand = engine_factory(moe_models["deepseek_v3"], mla_mode="expand")
+    assert type(absorb.model.model.layers[0].self_attn.impl).__name__ == "AbsorbLatentAttention"
+    assert type(expand.model.model.layers[0].self_attn.impl).__name__ == "ExpandLatentAttention"
+    assert tokens(expand, PROMPTS, GREEDY) == reference["deepseek_v3", id(GREEDY)]
+    assert tokens(absorb, PROMPTS, GREEDY) == reference["deepseek_v3", id(GREEDY)]
 
 
 def test_quantized_latent_cache_prefix_hit_equals_miss(moe_models, engine_factory):

@@ -9,8 +9,10 @@ import torch
 from tiny_moe import FAMILIES
 from transformers import AutoModelForCausalLM
 
-from edgeinfer.engine.attention import AttentionMetadata, KVCacheStorage, get_attention_backend
+from edgeinfer.engine.attention.backend import get_attention_backend
+from edgeinfer.engine.attention.metadata import AttentionMetadata
 from edgeinfer.engine.attention.mla import get_latent_attention
+from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.loading import load_model
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.types import SamplingParams

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import sys
 
 import pytest
 
@@ -58,3 +60,27 @@ def test_unknown_names_are_refused() -> None:
         build_specs(_parse("--model", "a=/x", "--pin", "b"))
     with pytest.raises(ValueError, match="limit max_n"):
         build_config(_parse("--max-n", "0"))
+
+
+def test_the_switch_interval_is_the_servers_and_set_once_at_start(tiny_llama_dir: str) -> None:
+    """Building an engine leaves the interpreter alone; the server's entry point sets its configured
+    switch interval."""
+    from edgeinfer.engine.async_engine import AsyncLLMEngine
+    from edgeinfer.engine.config import EngineConfig
+    from edgeinfer.node.server import configure_process
+
+    assert build_config(_parse()).switch_interval_s == 0.0005
+    config = build_config(_parse("--switch-interval-ms", "2"))
+    assert config.switch_interval_s == 0.002
+    before = sys.getswitchinterval()
+    try:
+        config_of_engine = EngineConfig(model=tiny_llama_dir, dtype="float32", num_kv_blocks=8)
+        engine = AsyncLLMEngine.from_config(config_of_engine)
+        assert sys.getswitchinterval() == before
+        asyncio.run(engine.shutdown())
+        configure_process(config)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(ValueError, match="switch interval"):
+        build_config(_parse("--switch-interval-ms", "0"))

@@ -53,3 +53,64 @@ def test_schema_declares_errors_oneof_and_405_has_allow(shared_node) -> None:
     wrong = httpx.delete(f"{shared_node.url}/v1/chat/completions")
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["code"] == "method_not_allowed"
+
+
+WAI = "/accounts/a/ai/run/tiny"
+BODIES = {
+    "/v1/completions": {"model": "tiny", "prompt": "Hello"},
+    "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]},
+    WAI: {"prompt": "Hello"},
+}
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_a_number_without_a_fraction_is_an_integer_as_the_schema_says(shared_node, path: str) -> None:
+    """JSON Schema's `integer` (what /openapi.json declares) includes 4.0: served as 4; 4.5 is refused."""
+
+    def post(**fields: object) -> httpx.Response:
+        body = {**BODIES[path], "temperature": 0, **fields}
+        return httpx.post(shared_node.url + path, json=body, timeout=60)
+
+    whole, as_float = post(max_tokens=4, seed=7), post(max_tokens=4.0, seed=7.0)
+    assert (whole.status_code, as_float.status_code) == (200, 200), as_float.text
+    assert _text(as_float.json()) == _text(whole.json())
+    assert post(max_tokens=4.5).status_code == 422
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_the_seed_bound_is_exact(shared_node, path: str) -> None:
+    """2**64 - 1 is the largest seed; one above it (which equals it as a float) is refused."""
+    statuses = [
+        httpx.post(shared_node.url + path, json={**BODIES[path], "max_tokens": 1, "seed": seed}).status_code
+        for seed in (2**64 - 1, 2**64, 2**64 + 1, float(2**64))
+    ]
+    assert statuses == [200, 422, 422, 422]
+
+
+def test_the_schema_states_integer_bounds_exactly(shared_node) -> None:
+    """Every bound of an integer is a JSON integer, `minimum` / `maximum` (not pydantic's `ge` / `le`, which
+    JSON Schema readers ignore), and the seed's maximum is 2**64 - 1, not its float 2**64."""
+    schema = httpx.get(f"{shared_node.url}/openapi.json").json()
+    integers = [s for s in _objects(schema) if s.get("type") == "integer"]
+    keywords = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+    bounds = [s[k] for s in integers for k in keywords if k in s]
+    assert bounds and all(type(bound) is int for bound in bounds)
+    assert not any({"ge", "gt", "le", "lt"} & set(s) for s in _objects(schema))
+    seed = schema["components"]["schemas"]["CompletionRequest"]["properties"]["seed"]["anyOf"][0]
+    assert (seed["minimum"], seed["maximum"]) == (0, 2**64 - 1)
+
+
+def _text(body: dict) -> str:
+    if "choices" in body:
+        choice = body["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+    return body["result"]["response"]
+
+
+def _objects(value: object) -> list[dict]:
+    """Every JSON object inside a JSON value, itself included."""
+    if isinstance(value, dict):
+        return [value, *(o for inner in value.values() for o in _objects(inner))]
+    if isinstance(value, list):
+        return [o for inner in value for o in _objects(inner)]
+    return []

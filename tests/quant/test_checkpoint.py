@@ -13,8 +13,11 @@ import torch
 from safetensors import safe_open
 
 from edgeinfer.cli import main
-from edgeinfer.engine.attention import AttentionMetadata, KVCacheStorage, get_attention_backend
+from edgeinfer.engine.attention.backend import get_attention_backend
+from edgeinfer.engine.attention.metadata import AttentionMetadata
+from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.model.loader import open_checkpoint
+from edgeinfer.engine.model.loader.codec import open_compressed
 from edgeinfer.engine.model.registry import build_model
 from edgeinfer.engine.quant import (
     QuantizationConfig,
@@ -25,7 +28,6 @@ from edgeinfer.engine.quant import (
     load_quantized_linear_state,
     quantize_model,
 )
-from edgeinfer.engine.quant.codec import open_compressed
 from edgeinfer.engine.quant.packing import nibbles_to_int32, pack_nibbles
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

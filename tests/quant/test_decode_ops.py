@@ -8,9 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from edgeinfer.engine.attention import KVCacheStorage
 from edgeinfer.engine.attention.metadata import AttentionMetadata
-from edgeinfer.engine.attention.storage import KVSpec
+from edgeinfer.engine.attention.storage import KVCacheStorage, KVSpec
 from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine

@@ -3,6 +3,8 @@ channels are uneven, channels a norm zeroes stay finite, and engines load with i
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch import nn
@@ -57,10 +59,10 @@ def test_scaling_keeps_the_float_model(tiny_models, family):
         model.model.layers[0].pre_feedforward_layernorm.weight.data[3] = -1.0
     probe = [calibration_windows(_tokens(40, model.args.vocab_size, 1), None)[0]]
     names = {n for g in smoothing_groups(model) for n, _ in g.linears}
-    before = collect_inputs(model, probe, names, torch.float32, torch.device("cpu"))
+    before = collect_inputs(model, probe, names, partial(_hidden, model))
     ref = model.compute_logits(_hidden(model, probe[0]))
     calib = calibration_windows(_tokens(96, model.args.vocab_size), None)
-    samples = collect_inputs(model, calib, names, torch.float32, torch.device("cpu"))
+    samples = collect_inputs(model, calib, names, partial(_hidden, model))
     report = smooth_model(model, get_weight_method("int8"), samples)
     assert len(report.chosen) == 3 * model.args.num_layers + 1  # + the lm_head
     if model.args.tie_embeddings and report.chosen["lm_head"][0] != "mean^0":
@@ -73,7 +75,7 @@ def test_scaling_keeps_the_float_model(tiny_models, family):
     out = model.compute_logits(_hidden(model, probe[0]))
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
     # the scaled inputs really differ: the scale moved into the producer
-    after = collect_inputs(model, probe, names, torch.float32, torch.device("cpu"))
+    after = collect_inputs(model, probe, names, partial(_hidden, model))
     assert any(not torch.allclose(before[n].abs_mean, after[n].abs_mean) for n in names)
 
 
@@ -102,7 +104,12 @@ def test_skipped_layers_stay_in_the_model_dtype(tiny_llama):
     model = load_model(ckpt, torch.bfloat16, torch.device("cpu"))
     skip = lambda name: name.endswith("gate_up_proj")  # noqa: E731
     report = scale_for_quantization(
-        model, get_weight_method("int8"), _tokens(64, 100), None, torch.bfloat16, "cpu", skip
+        model,
+        get_weight_method("int8"),
+        _tokens(64, 100),
+        None,
+        partial(prefill_hidden, model, dtype=torch.bfloat16, device=torch.device("cpu")),
+        skip,
     )
     assert report.chosen and not any("mlp" in name for name in report.chosen)
     for layer in model.model.layers:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import sys
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,11 +20,6 @@ from edgeinfer.types import EngineRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 
-# The engine thread releases the GIL inside every torch op and must take it back hundreds of times a step;
-# while the event loop holds it (rendering and writing stream chunks), each retake can wait up to the
-# interpreter's switch interval (5 ms by default). 0.5 ms measured +4 % output tok/s at 32 streams and
-# -5 % TPOT at 8 (Gemma 3 270M int4, 1 thread, bench/serve_vs_llamacpp.py).
-SWITCH_INTERVAL_S = 0.0005
 # The step thread's OS name (and so its OpenMP workers'), as /proc, top -H and bench/serve_overhead.py see it.
 STEP_THREAD_NAME = "edgeinfer-step"
 
@@ -47,7 +41,6 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()  # held while the loop touches the engine
         self._wake = threading.Event()
         self._stopped = False
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="edgeinfer-engine", daemon=True)
         self._thread.start()
 

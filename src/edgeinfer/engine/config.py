@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from edgeinfer.engine.attention.registry import (
+    ATTENTION_BACKENDS,
+    DEFAULT_ATTENTION_BACKEND,
+    DEFAULT_MLA_MODE,
+    MLA_MODES,
+    check_name,
+)
+
+# The models served when none is named (the loader fetches them from PyPI on first use: model/loader/).
 DEFAULT_MODEL = "gemma-3-270m"
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 @dataclass(frozen=True)
@@ -77,9 +87,13 @@ class EngineConfig:
     # so it is off by default.
     compile: bool = False
     kv_cache_dtype: str = "auto"
-    # The paged-attention backend by its registered name (engine/attention/backend.py); every backend
-    # passes tests/engine/test_attention_conformance.py. `torch`: SDPA and batched matmuls, CPU and CUDA.
-    attention_backend: str = "torch"
+    # The paged-attention backend by its name in engine/attention/registry.py; every backend there passes
+    # tests/engine/test_attention_conformance.py. `torch`: SDPA and batched matmuls, CPU and CUDA.
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND
+    # How MLA models (DeepSeek-V3, Kimi K2) decode over their latent cache (engine/attention/mla.py):
+    # `absorb` folds the up-projection into query and output, `expand` up-projects the context; both exact.
+    # Set per engine: two engines of one process may decode in different modes.
+    mla_mode: str = DEFAULT_MLA_MODE
     # Keep the loaded model's runtime tensors (dequantized, quantized, re-laid for our kernels) on disk and
     # memory-map them on the next load with the same source and settings (engine/prepared): Gemma 3 270M
     # from its GGUF then loads without dequantizing or quantizing. Off: every load starts from the source.
@@ -118,6 +132,8 @@ class EngineConfig:
             raise ValueError("threads must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")
+        check_name(ATTENTION_BACKENDS, self.attention_backend, "attention backend")
+        check_name(MLA_MODES, self.mla_mode, "MLA mode")
 
     def _weights_method(self) -> str:
         return (self.quantization or "").partition(":")[0]

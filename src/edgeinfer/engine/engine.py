@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from edgeinfer.engine.attention import KVCacheStorage
+from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.kv_cache import KVCacheManager

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from edgeinfer.engine.attention.oneshot import prefill_hidden
 from edgeinfer.engine.attention.storage import kv_bytes_per_token
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.model.loader import Checkpoint
@@ -27,7 +30,7 @@ from edgeinfer.engine.quant.checkpoint import QuantizationConfig, apply_quantize
 from edgeinfer.engine.quant.kernels.bf16 import GemvLinear, use_bf16_gemv
 from edgeinfer.engine.quant.kv import get_kv_quantizer
 from edgeinfer.engine.quant.layers import PreparedModule
-from edgeinfer.engine.quant.smoothing import scale_for_quantization
+from edgeinfer.engine.quant.smoothing import SmoothReport, scale_for_quantization
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +72,15 @@ def load_model(
     (engine/prepared), and a later load with the same source and settings memory-maps it instead."""
     config = config or EngineConfig(model=str(ckpt.path))
     cache, key = _prepared_cache(ckpt, dtype, device, config)
-    model = cache.load(key, lambda: _build(ckpt, dtype, torch.device("meta"))) if cache else None
+    skeleton = partial(_build, ckpt, dtype, torch.device("meta"), config.mla_mode)  # what the cache fills
+    model = cache.load(key, skeleton) if cache else None
     if model is not None and not _kernels_ready(model, config):
         model = None
     if model is None:
         model = _load_fresh(ckpt, dtype, device, config)
         # a model left on torch's kernels because ours did not build here is not what the key stands for
         if cache and (uses_cpu_gemv(model) or not _wants_cpu_gemv(config, device) or not _gemv_layers(model)):
-            cache.save(key, model, _build(ckpt, dtype, torch.device("meta")))
+            cache.save(key, model, skeleton())
     return model.eval().requires_grad_(False)
 
 
@@ -85,13 +89,13 @@ def load_model(
 _DEFAULT_DTYPE_LOCK = threading.Lock()
 
 
-def _build(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _build(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, mla_mode: str) -> nn.Module:
     with _DEFAULT_DTYPE_LOCK:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device), _SkipInit() if device.type == "meta" else contextlib.nullcontext():
-                return build_model(ckpt.config)
+                return build_model(ckpt.config, mla_mode)
         finally:
             torch.set_default_dtype(previous)
 
@@ -99,7 +103,7 @@ def _build(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> nn.Mod
 def _load_fresh(
     ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, config: EngineConfig
 ) -> nn.Module:
-    model = _build(ckpt, dtype, device)
+    model = _build(ckpt, dtype, device, config.mla_mode)
     stored = QuantizationConfig.from_hf(ckpt.config)
     if stored is not None:
         _load_quantized(model, ckpt, stored, config, dtype, device)
@@ -214,15 +218,7 @@ def _quantize_float_model(
     head = head_method(config.lm_head_quantization, method)
     states: dict[str, dict[str, torch.Tensor]] = {}
     if config.calibrate_quantization:
-        from edgeinfer.engine.tokenizer import Tokenizer  # the tokenizer pulls in transformers
-
-        tok = Tokenizer.from_checkpoint(ckpt)
-        gptq = config.gptq_calibration
-        ids = calibration_ids(tok, gptq)
-        with torch.no_grad():
-            report = scale_for_quantization(
-                model, method, ids, tok.bos_token_id, dtype, device, head_method=head, gptq=gptq is not None
-            )
+        report = calibrate(model, ckpt, method, dtype, device, config.gptq_calibration, head=head)
         states = report.states
     quantize_model(
         model,
@@ -232,6 +228,30 @@ def _quantize_float_model(
         head_method=head,
         states=states,
     )
+
+
+def calibrate(
+    model: nn.Module,
+    ckpt: Checkpoint,
+    method: WeightMethod,
+    dtype: torch.dtype,
+    device: torch.device,
+    gptq: str | None,
+    skip: Callable[[str], bool] = lambda name: False,
+    head: WeightMethod | None = None,
+) -> SmoothReport:
+    """Scale the float model's layer inputs for `method` (and the lm_head's for a `head` method) on its
+    activations over the calibration text, each window a one-shot prefill; with `gptq` (its text) int4
+    layers are rounded by GPTQ."""
+    from edgeinfer.engine.tokenizer import Tokenizer  # the tokenizer pulls in transformers
+
+    tok = Tokenizer.from_checkpoint(ckpt)
+    ids = calibration_ids(tok, gptq)
+    prefill = partial(prefill_hidden, model, dtype=dtype, device=device)
+    with torch.no_grad():
+        return scale_for_quantization(
+            model, method, ids, tok.bos_token_id, prefill, skip, head_method=head, gptq=gptq is not None
+        )
 
 
 def head_method(spec: str, weights: WeightMethod) -> WeightMethod | None:

@@ -2,7 +2,7 @@
 match length of a quantized configuration against the unquantized baseline (`edgeinfer eval`).
 docs/quantization.md describes the method and the text."""
 
-from edgeinfer.eval.corpus import DEFAULT_TEXT, EvalText, load_text
+from edgeinfer.eval.harness import DEFAULT_TEXT
 from edgeinfer.eval.metrics import greedy_match_length, kl_divergence, perplexity, token_nll, top1_agreement
 from edgeinfer.eval.scoring import Candidate, Comparison, ScoreResult, compare, plan_windows
 
@@ -10,12 +10,10 @@ __all__ = [
     "DEFAULT_TEXT",
     "Candidate",
     "Comparison",
-    "EvalText",
     "ScoreResult",
     "compare",
     "greedy_match_length",
     "kl_divergence",
-    "load_text",
     "perplexity",
     "plan_windows",
     "token_nll",

@@ -9,56 +9,30 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from edgeinfer.eval.corpus import DEFAULT_TEXT
+from edgeinfer.cli.engine_args import (
+    add_engine_arguments,
+    add_model_argument,
+    engine_config,
+    quantization_arg,
+)
 from edgeinfer.eval.harness import EvalSettings, run_eval
-
-
-def _quantization(value: str) -> str | None:
-    return None if value.lower() in ("none", "bf16", "") else value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = EvalSettings()
-    p.add_argument("--model", default=d.model, help="HF directory, .gguf or known name (%(default)s)")
-    p.add_argument("--quantization", type=_quantization, default=None, help="int8, int4, int4:G, fp8 or none")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto, bf16, int8, fp8_e4m3, fp8_e5m2, int4")
+    add_model_argument(p)
+    add_engine_arguments(p.add_argument_group("engine (the tested side; the baseline as noted)"))
     p.add_argument(
         "--baseline-quantization",
-        type=_quantization,
-        default=None,
-        help="weights of the reference (default none: the checkpoint dequantized to --dtype)",
+        type=quantization_arg,
+        default=d.baseline_quantization,
+        help="weights of the reference (default none: the checkpoint dequantized to --dtype); the reference "
+        "keeps its KV cache in the compute dtype and runs on torch's kernels",
     )
-    p.add_argument(
-        "--lm-head-quantization",
-        default="auto",
-        help="lm_head and embeddings under weight quantization: auto (int8 for int4 weights, else the "
-        "same method), none (float), or a method",
-    )
-    p.add_argument(
-        "--calibrate",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="activation-aware input scaling before quantizing (default yes)",
-    )
-    p.add_argument(
-        "--gptq",
-        default=None,
-        metavar="TEXT",
-        help="round int4 weights by GPTQ calibrated on TEXT: enwiki (Wikipedia prose in gensim's test "
-        "data) or a UTF-8 file (default: round to nearest)",
-    )
-    p.add_argument(
-        "--cpu-gemv",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="quantized side through our CPU kernels (int4 as W4A8), as `serve` runs it; default: where "
-        "the CPU has AVX512-VNNI (the baseline never uses them)",
-    )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
     p.add_argument(
         "--text",
-        default=DEFAULT_TEXT,
-        help=f"eval text: {DEFAULT_TEXT!r} (news corpus shipped in gensim's test data) or a UTF-8 file",
+        default=d.text,
+        help=f"eval text: {d.text!r} (news corpus shipped in gensim's test data) or a UTF-8 file",
     )
     p.add_argument("--tokens", type=int, default=d.tokens, help="tokens of the text to score (%(default)s)")
     p.add_argument("--window", type=int, default=d.window, help="tokens per scoring window (%(default)s)")
@@ -79,17 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    settings = EvalSettings(
-        model=args.model,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+def settings(args: argparse.Namespace) -> EvalSettings:
+    return EvalSettings(
+        engine=engine_config(args, args.model),
         baseline_quantization=args.baseline_quantization,
-        lm_head_quantization=args.lm_head_quantization,
-        calibrate=args.calibrate,
-        gptq=args.gptq,
-        cpu_gemv=args.cpu_gemv,
-        dtype=args.dtype,
         text=args.text,
         tokens=args.tokens,
         window=args.window,
@@ -98,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
         prefix_tokens=args.prefix_tokens,
         greedy_tokens=args.greedy_tokens,
     )
-    report = run_eval(settings)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = run_eval(settings(args))
     to_stdout = args.json is not None and str(args.json) == "-"
     # With `--json -` stdout carries only the JSON (for pipes); the table goes to stderr.
     print(report.table(), file=sys.stderr if to_stdout else sys.stdout)

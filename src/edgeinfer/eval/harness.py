@@ -5,15 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-from edgeinfer.engine.attention.oneshot import BLOCK_SIZE
-from edgeinfer.engine.config import DEFAULT_MODEL, EngineConfig
+from edgeinfer.corpus import NEWS_TEXT, Corpus, load_text
+from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
 from edgeinfer.engine.loading import parse_quantization
 from edgeinfer.engine.quant.kv import get_kv_quantizer
 from edgeinfer.engine.tokenizer import Tokenizer
-from edgeinfer.eval.corpus import DEFAULT_TEXT, EvalText, load_text
 from edgeinfer.eval.metrics import greedy_match_length
 from edgeinfer.eval.report import EvalReport, ModelSide
 from edgeinfer.eval.scoring import Candidate, compare
@@ -21,25 +20,19 @@ from edgeinfer.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# Held-out news, unrelated to the texts quantization calibrates on (quant/calibrate.py).
+DEFAULT_TEXT = NEWS_TEXT
+
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """What `edgeinfer eval` measures. `quantization` / `baseline_quantization`: None is unquantized;
-    `lm_head_quantization` and `calibrate`: as EngineConfig's `lm_head_quantization` and
-    `calibrate_quantization`, for both sides; `gptq`: EngineConfig's `gptq_calibration`; `cpu_gemv`:
-    EngineConfig's (None: auto) for the tested side, off for the baseline (so int4 against int4 compares
-    W4A8 with W4A16 where the kernels run);
-    `stride` None is `window // 2`."""
+    """What `edgeinfer eval` measures. `engine`: the tested configuration (the `serve` / `generate` engine
+    flags). The baseline is the same engine with `baseline_quantization` weights (None: unquantized), its
+    KV cache in the compute dtype and torch's kernels (so int4 against int4 compares W4A8 with W4A16 where
+    our CPU kernels run). `stride` None is `window // 2`."""
 
-    model: str = DEFAULT_MODEL
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
+    engine: EngineConfig = field(default_factory=EngineConfig)
     baseline_quantization: str | None = None
-    lm_head_quantization: str = "auto"
-    calibrate: bool = True
-    gptq: str | None = None
-    cpu_gemv: bool | None = None
-    dtype: str = "bfloat16"
     text: str = DEFAULT_TEXT
     tokens: int = 1024
     window: int = 512
@@ -62,42 +55,36 @@ class EvalSettings:
         if not 1 <= self.effective_stride <= self.window:
             raise ValueError(f"stride must be between 1 and the window ({self.window}), got {self.stride}")
         # Fail on a misspelt method or KV dtype before loading any model.
-        for q in (self.quantization, self.baseline_quantization):
+        for q in (self.engine.quantization, self.baseline_quantization):
             if q is not None:
                 parse_quantization(q)
-        get_kv_quantizer(self.kv_cache_dtype)
-        if self.gptq is not None and not (self.quantization or "").startswith("int4"):
-            raise ValueError(f"--gptq rounds int4 weights; the weights here are {self.quantization}")
+        get_kv_quantizer(self.engine.kv_cache_dtype)
 
     @property
     def effective_stride(self) -> int:
         return self.stride if self.stride is not None else max(1, self.window // 2)
 
-
-def build_engine(
-    settings: EvalSettings, quantization: str | None, kv_cache_dtype: str, cpu_gemv: bool | None = False
-) -> LLMEngine:
-    """An engine whose KV pool holds the greedy prompts and continuations (scoring uses its own pool)."""
-    per_seq = -(-(settings.prefix_tokens + settings.greedy_tokens + 1) // BLOCK_SIZE)
-    return LLMEngine(
-        EngineConfig(
-            model=settings.model,
-            dtype=settings.dtype,
-            quantization=quantization,
-            lm_head_quantization=settings.lm_head_quantization,
-            calibrate_quantization=settings.calibrate,
-            gptq_calibration=settings.gptq if quantization else None,
-            cpu_gemv=cpu_gemv,
-            kv_cache_dtype=kv_cache_dtype,
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=max(1, settings.prefixes) * per_seq + 1,
-            max_num_batched_tokens=max(256, settings.prefixes * (settings.prefix_tokens + 1)),
-            batch_window_ms=0,
+    @property
+    def baseline(self) -> EngineConfig:
+        q = self.baseline_quantization
+        gptq = self.engine.gptq_calibration if (q or "").startswith("int4") else None
+        return replace(
+            self.engine, quantization=q, gptq_calibration=gptq, kv_cache_dtype="auto", cpu_gemv=False
         )
-    )
+
+    @property
+    def shares_baseline(self) -> bool:
+        """Whether one engine serves both sides: only where the tested side cannot differ (with our CPU
+        kernels, the default where the CPU has VNNI, int4 against int4 compares W4A8 with W4A16)."""
+        e = self.engine
+        return (
+            e.quantization == self.baseline_quantization
+            and e.kv_cache_dtype == "auto"
+            and (e.quantization is None or e.cpu_gemv is False)
+        )
 
 
-def eval_tokens(text: EvalText, tokenizer: Tokenizer, n: int) -> list[int]:
+def eval_tokens(text: Corpus, tokenizer: Tokenizer, n: int) -> list[int]:
     """The first `n` tokens of the text (no BOS: windows add their own)."""
     ids = tokenizer.encode(text.text, add_special_tokens=False)
     if len(ids) < n:
@@ -105,7 +92,7 @@ def eval_tokens(text: EvalText, tokenizer: Tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def greedy_prompts(text: EvalText, tokenizer: Tokenizer, count: int, length: int) -> list[list[int]]:
+def greedy_prompts(text: Corpus, tokenizer: Tokenizer, count: int, length: int) -> list[list[int]]:
     """`count` fixed prompts: the first `length` tokens of documents spread evenly through the text."""
     docs = text.documents
     picks = [docs[i * len(docs) // count] for i in range(count)] if count else []
@@ -129,19 +116,8 @@ def run_eval(settings: EvalSettings) -> EvalReport:
     """Load the baseline and the quantized configuration, score the text under both, compare."""
     start = time.perf_counter()
     text = load_text(settings.text)
-    baseline = build_engine(settings, settings.baseline_quantization, "auto")
-    # One engine for both sides only when the test side cannot differ: with our CPU kernels (default where
-    # the CPU has VNNI) int4 against int4 compares W4A8 with W4A16.
-    same = (
-        settings.quantization == settings.baseline_quantization
-        and settings.kv_cache_dtype == "auto"
-        and (settings.quantization is None or settings.cpu_gemv is False)
-    )
-    test = (
-        baseline
-        if same
-        else build_engine(settings, settings.quantization, settings.kv_cache_dtype, settings.cpu_gemv)
-    )
+    baseline = LLMEngine(settings.baseline)
+    test = baseline if settings.shares_baseline else LLMEngine(settings.engine)
     ids = eval_tokens(text, baseline.tokenizer, settings.tokens)
     result = compare(
         Candidate.from_engine("baseline", baseline),
@@ -155,10 +131,11 @@ def run_eval(settings: EvalSettings) -> EvalReport:
     lengths = greedy_match_lengths(baseline, test, prompts, settings.greedy_tokens)
     return EvalReport(
         settings=settings,
+        dtype=str(baseline.layout.dtype).removeprefix("torch."),
         text_name=text.name,
         text_source=text.source,
         baseline=ModelSide.of(baseline, settings.baseline_quantization),
-        test=ModelSide.of(test, settings.quantization),
+        test=ModelSide.of(test, settings.engine.quantization),
         baseline_perplexity=result.reference_perplexity,
         comparison=result.comparisons()["test"],
         greedy_lengths=lengths,

@@ -56,6 +56,7 @@ class ModelSide:
 @dataclass(frozen=True)
 class EvalReport:
     settings: EvalSettings
+    dtype: str  # the compute dtype both sides ran in
     text_name: str
     text_source: str
     baseline: ModelSide
@@ -72,8 +73,8 @@ class EvalReport:
     def to_dict(self) -> dict[str, Any]:
         s = self.settings
         return {
-            "model": s.model,
-            "dtype": s.dtype,
+            "model": s.engine.model,
+            "dtype": self.dtype,
             "text": {"name": self.text_name, "source": self.text_source},
             "tokens": self.comparison.tokens,
             "window": s.window,
@@ -111,7 +112,7 @@ class EvalReport:
             (f"greedy match length, {len(g)} prompts", f"{s.greedy_tokens}", greedy),
         ]
         lines = [
-            f"{s.model} ({s.dtype}) on {self.text_name}: {c.tokens} tokens scored, "
+            f"{s.engine.model} ({self.dtype}) on {self.text_name}: {c.tokens} tokens scored, "
             f"window {s.window}, stride {s.effective_stride}, {self.seconds:.0f} s",
             f"| metric | baseline: {b.label} | {t.label} |",
             "|---|---|---|",

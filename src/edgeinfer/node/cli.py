@@ -8,6 +8,8 @@ import socket
 import sys
 from pathlib import Path
 
+from edgeinfer.cli.engine_args import add_engine_arguments, engine_config
+from edgeinfer.engine.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from edgeinfer.node.config import ConnectionLimits, NodeConfig, NodeLimits, default_usage_db
 from edgeinfer.obs.access_log import ACCESS_LOGGER
 from edgeinfer.pool.spec import (
@@ -23,9 +25,7 @@ from edgeinfer.pool.spec import (
 )
 from edgeinfer.types.router_trust import load_secret
 
-DEFAULT_MODEL = "gemma-3-270m"
 DEFAULT_ALIASES = ("@cf/google/gemma-3-270m",)
-DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 DEFAULT_EMBEDDING_ALIASES = ("@cf/sentence-transformers/all-minilm-l6-v2",)
 
 
@@ -71,86 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory for resident models, e.g. 2GiB (default: unlimited)",
     )
     engine = parser.add_argument_group("engine (for every local model)")
-    engine.add_argument("--device", default="cpu")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    engine.add_argument("--kv-cache-memory", default="512MiB", metavar="SIZE", help="KV cache per model")
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    engine.add_argument(
-        "--max-step-ms",
-        type=_step_ms,
-        default=250.0,
-        metavar="MS",
-        help="a step's token budget is what fits in MS by the cost of recent steps (at most "
-        "--max-num-batched-tokens), so a request arriving mid-prefill waits about one such step; 0: no limit",
-    )
-    engine.add_argument(
-        "--shared-step-ms",
-        type=_step_ms,
-        default=75.0,
-        metavar="MS",
-        help="the step-time target while more than one tenant is present (a tenant's first token waits for "
-        "little of another's prefill); 0: --max-step-ms throughout",
-    )
-    engine.add_argument("--batch-window-ms", type=float, default=2.0)
-    engine.add_argument("--quantization", default=None, help="int8, int4, fp8")
-    engine.add_argument(
-        "--lm-head-quantization",
-        default="auto",
-        help="lm_head/embeddings under --quantization: auto (int8 for int4, else the same), none, a method",
-    )
-    engine.add_argument(
-        "--cpu-gemv",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="CPU: products through our kernels (int8/int4 with AVX512-VNNI, int4 as W4A8; bf16 decode "
-        "with AVX512-BF16 / AVX-512 / AVX2; one-call ops for one-sequence decode steps; built at first use). "
-        "Default: where the CPU has the features",
-    )
-    engine.add_argument(
-        "--no-calibrate", action="store_true", help="quantize without activation-aware input scaling"
-    )
-    engine.add_argument(
-        "--gptq",
-        default=None,
-        metavar="TEXT",
-        help="int4: round by GPTQ calibrated on TEXT (enwiki or a file); minutes at load, see quantize",
-    )
-    engine.add_argument("--kv-cache-dtype", default="auto")
-    engine.add_argument(
-        "--threads", type=int, default=None, help="threads for the engines' ops (default: every core)"
-    )
-    engine.add_argument("--no-prefix-caching", action="store_true")
+    add_engine_arguments(engine)
     engine.add_argument(
         "--public-prefixes",
         default=None,
         metavar="FILE",
         help="shared prefixes per model, computed at load and hit by every tenant (JSON/TOML: "
         '{"MODEL": {"texts": [...], "system_prompts": [...]}}; docs/engine.md)',
-    )
-    engine.add_argument(
-        "--no-tenant-shares",
-        action="store_true",
-        help="one global LRU over cached blocks and arrival-order prefill, instead of per-tenant shares",
-    )
-    engine.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile one-sequence decode steps at load (needs a C++ compiler; minutes the first "
-        "time, graphs cached under --cache-dir)",
-    )
-    engine.add_argument(
-        "--no-prepared-cache",
-        action="store_true",
-        help="load every model from its source, without the on-disk cache of its prepared (dequantized, "
-        "quantized) form",
-    )
-    engine.add_argument(
-        "--cache-dir",
-        default=None,
-        metavar="DIR",
-        help="prepared models and compiled graphs ($EDGEINFER_CACHE_DIR, else ~/.cache/edgeinfer)",
     )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
@@ -187,6 +114,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="save the usage of requests in flight this often; a crash loses at most this much "
         f"({NodeConfig.usage_checkpoint_s:g})",
+    )
+    server.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=NodeConfig.switch_interval_s * 1000,
+        metavar="MS",
+        help="the interpreter's GIL switch interval: how long the engines' step threads may wait for the "
+        f"GIL while the event loop holds it ({NodeConfig.switch_interval_s * 1000:g}; Python's default 5)",
     )
     connections = parser.add_argument_group("slow or stalled clients (seconds; connections)")
     for name, text in _CONNECTION_HELP.items():
@@ -269,6 +204,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         nats_url=args.nats_url,
         status_interval_s=args.status_interval_ms / 1000.0,
         router_secret=load_secret(args.router_secret_file) if args.router_secret_file else None,
+        switch_interval_s=args.switch_interval_ms / 1000.0,
     )
 
 
@@ -306,17 +242,6 @@ def build_specs(args: argparse.Namespace) -> list[MemberSpec]:
     ]
 
 
-def _step_ms(text: str) -> float | None:
-    """--max-step-ms: a positive number of milliseconds, or 0 for no time budget."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be >= 0 (0: no time budget)")
-    return value or None
-
-
 def _preload_names(args: argparse.Namespace) -> list[str]:
     if args.preload is None:
         return []
@@ -330,46 +255,22 @@ def run(args: argparse.Namespace) -> int:
     """Start the server and block until it stops (Ctrl-C)."""
     import uvicorn
 
-    from edgeinfer.engine.config import EngineConfig
     from edgeinfer.node.app import create_app
     from edgeinfer.node.files import load_table
-    from edgeinfer.node.server import uvicorn_config
+    from edgeinfer.node.server import configure_process, uvicorn_config
     from edgeinfer.pool.loader import EngineLoader
     from edgeinfer.pool.manager import ModelPool
 
     config = build_config(args)
-    engine_config = EngineConfig(
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_step_ms=args.max_step_ms,
-        shared_step_ms=args.shared_step_ms,
-        batch_window_ms=args.batch_window_ms,
-        enable_prefix_caching=not args.no_prefix_caching,
-        cache_tenant_shares=not args.no_tenant_shares,
-        fair_share=not args.no_tenant_shares,
-        quantization=args.quantization,
-        lm_head_quantization=args.lm_head_quantization,
-        cpu_gemv=args.cpu_gemv,
-        calibrate_quantization=not args.no_calibrate,
-        gptq_calibration=args.gptq,
-        prepared_cache=not args.no_prepared_cache,
-        cache_dir=args.cache_dir,
-        compile=args.compile,
-        kv_cache_dtype=args.kv_cache_dtype,
-        threads=args.threads,
-    )
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     public = parse_public_prefixes(load_table(args.public_prefixes)) if args.public_prefixes else {}
     pool = ModelPool(
-        build_specs(args), EngineLoader(engine_config, public_prefixes=public), budget_bytes=budget
+        build_specs(args), EngineLoader(engine_config(args), public_prefixes=public), budget_bytes=budget
     )
     for name in config.preload:
         pool.resolve(name)  # an unknown --preload name fails here, in one line, before anything loads
     _configure_access_log(enabled=not args.no_access_log)
+    configure_process(config)
     app = create_app(config, pool)
     uvicorn.Server(uvicorn_config(app, config, args.host, args.port)).run()
     return 0

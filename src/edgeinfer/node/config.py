@@ -79,3 +79,12 @@ class NodeConfig:
     status_interval_s: float = 0.1
     # Shared with the routers: a request signed with it carries a tenant the node trusts (router_trust).
     router_secret: bytes | None = None
+    # The interpreter's switch interval, set once when the server starts (server.configure_process). An
+    # engine's step thread releases the GIL inside every torch op and takes it back hundreds of times a
+    # step; while the event loop holds it (rendering and writing stream chunks) each retake can wait up to
+    # this long (Python's default is 5 ms). docs/benchmarks.md has what 0.5 ms bought.
+    switch_interval_s: float = 0.0005
+
+    def __post_init__(self) -> None:
+        if not self.switch_interval_s > 0:
+            raise ValueError("switch interval must be > 0")

@@ -10,6 +10,16 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from edgeinfer.node.errors import is_workers_ai_path
+from edgeinfer.node.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    WorkersAIRunRequest,
+)
+
+# The request bodies, whose definitions are taken from pydantic again (`_exact_bodies`).
+_BODIES = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, WorkersAIRunRequest)
+_REF = "#/components/schemas/{model}"
 
 
 class OpenAIErrorDetail(BaseModel):
@@ -75,6 +85,7 @@ def install(app: FastAPI, open_node: bool) -> None:
             schema = get_openapi(
                 title=app.title, version=app.version, description=app.description, routes=app.routes
             )
+            _exact_bodies(schema)
             _declare_errors(schema)
             if open_node:
                 _optional_auth(schema)
@@ -84,19 +95,31 @@ def install(app: FastAPI, open_node: bool) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _declare_errors(schema: dict[str, Any]) -> None:
+def _exact_bodies(schema: dict[str, Any]) -> None:
+    """FastAPI passes the schema through its OpenAPI model, which holds every bound as a float: the seed's
+    maximum 2**64 - 1 came out as 1.8446744073709552e19 (= 2**64), and every integer's minimum as 1.0.
+    The request bodies' definitions, as pydantic writes them, replace what came through it."""
+    _add_definitions(schema, _BODIES)
+
+
+def _add_definitions(schema: dict[str, Any], models: tuple[type[BaseModel], ...]) -> None:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for model in (OpenAIError, WorkersAIError):
-        definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    for model in models:
+        definition = model.model_json_schema(ref_template=_REF)
         components.update(definition.pop("$defs", {}))
         components[model.__name__] = definition
+
+
+def _declare_errors(schema: dict[str, Any]) -> None:
+    _add_definitions(schema, (OpenAIError, WorkersAIError))
     for path, operations in schema.get("paths", {}).items():
         body = "WorkersAIError" if is_workers_ai_path(path.replace("{account_id}", "a")) else "OpenAIError"
         for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
             for status in _STATUSES.get((method, path), _ANY):
-                content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}}
+                content = {"application/json": {"schema": {"$ref": _REF.format(model=body)}}}
                 responses[str(status)] = {"description": _REASONS[status], "content": content}
+    components = schema["components"]["schemas"]
     components.pop("HTTPValidationError", None)
     components.pop("ValidationError", None)
 

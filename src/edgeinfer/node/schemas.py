@@ -3,16 +3,35 @@
 Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot honour (logit_bias, suffix,
 non-text content parts) are refused with 400 rather than silently dropped. Types are strict
 (`true` is not an integer, `"1"` not a number), and text must be valid Unicode (no lone surrogates, which
-JSON's `\\ud800` escapes can carry): such bodies get 422 before anything else reads them.
+JSON's `\\ud800` escapes can carry): such bodies get 422 before anything else reads them. An integer is
+what JSON Schema (and so /openapi.json) calls one: a number without a fractional part, `8.0` as well as
+`8` (`Int`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from edgeinfer.types.sampling import MAX_SEED, MAX_TOP_K
+
+
+def _integral(value: Any) -> Any:
+    """A float with no fractional part as the int it equals (JSON Schema's `integer` includes 10241761.0);
+    any other value goes on to the strict int check, which refuses other floats and booleans."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# The bounds come before the float conversion: on the int itself they are checked exactly (as ints: a
+# bound applied outside it compares as floats, and 2**64 + 1 passed `le=2**64 - 1`) and appear in the schema
+# as `minimum` / `maximum`.
+_INTEGRAL = BeforeValidator(_integral)
+Int = Annotated[int, _INTEGRAL]
+Count = Annotated[int, Field(ge=1), _INTEGRAL]
+NonNegative = Annotated[int, Field(ge=0), _INTEGRAL]
+TopK = Annotated[int, Field(ge=-1, le=MAX_TOP_K), _INTEGRAL]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED), _INTEGRAL]
 
 
 class _Body(BaseModel):
@@ -59,21 +78,21 @@ class SamplingFields(_RequestBody):
     """Sampling fields shared by completions and chat, including vLLM/SGLang extras."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = None
     temperature: float | None = Field(None, ge=0.0, le=10.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    top_k: TopK | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1)
-    best_of: int | None = Field(None, ge=1)
+    n: Count = 1
+    best_of: Count | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop_token_ids: list[Int] | None = None
+    seed: Seed | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: NonNegative = 0
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -85,9 +104,9 @@ class SamplingFields(_RequestBody):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int] | list[list[Int]]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: NonNegative | None = None
     suffix: str | None = None
     response_format: dict[str, Any] | None = None
 
@@ -111,8 +130,8 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: NonNegative | None = None
+    max_completion_tokens: Count | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
@@ -124,9 +143,9 @@ class EmbeddingRequest(_RequestBody):
     """POST /v1/embeddings."""
 
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[Int] | list[list[Int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: Count | None = None
     user: str | None = None
     options: RequestOptions | None = None
 
@@ -154,11 +173,11 @@ class WorkersAIRunRequest(_RequestBody):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     raw: bool = False
     stream: bool = False
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = None
     temperature: float | None = Field(None, ge=0.0, le=10.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    top_k: TopK | None = None
+    seed: Seed | None = None
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import uvicorn
 
 from edgeinfer.node.config import NodeConfig
 from edgeinfer.node.connections import guarded_protocol
+
+
+def configure_process(config: NodeConfig) -> None:
+    """The process-wide settings of a node server, set once by its entry point before it serves (not by
+    the engines it loads: several share the process)."""
+    sys.setswitchinterval(config.switch_interval_s)
 
 
 def uvicorn_config(app: Any, config: NodeConfig, host: str, port: int, **options: Any) -> uvicorn.Config:

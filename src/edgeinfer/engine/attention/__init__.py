@@ -1,7 +1,4 @@
-"""Paged attention: KV storage, per-step metadata and backends (CPU now; CUDA slots in behind the ABC)."""
+"""Paged attention: KV storage (`storage.py`), per-step metadata (`metadata.py`) and backends behind the
+`AttentionBackend` ABC (`backend.py`), named in `registry.py`; CPU now, a CUDA backend slots in beside.
 
-from edgeinfer.engine.attention.backend import AttentionBackend, get_attention_backend
-from edgeinfer.engine.attention.metadata import AttentionMetadata
-from edgeinfer.engine.attention.storage import KVCacheStorage, KVSpec
-
-__all__ = ["AttentionBackend", "AttentionMetadata", "KVCacheStorage", "KVSpec", "get_attention_backend"]
+Nothing is imported here, so reading the registry (the CLI, `EngineConfig`) needs no torch."""

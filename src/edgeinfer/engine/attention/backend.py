@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from edgeinfer.engine.attention.metadata import AttentionMetadata
+from edgeinfer.engine.attention.registry import ATTENTION_BACKENDS, load_class
 from edgeinfer.engine.attention.storage import KVCacheStorage
 
 
@@ -16,6 +17,10 @@ class AttentionBackend(ABC):
     The runner calls `begin(meta)` once per step; every attention layer then calls `attend`, which writes
     the step's new K/V into the cache and attends each query to its sequence's whole context.
     """
+
+    # Set by the runner for a model whose layers run on our CPU kernels: a backend with a path through our
+    # one-call decode ops (quant/kernels/decode_ops.cpp) takes it; others ignore it.
+    decode_ops = False
 
     def __init__(self, storage: KVCacheStorage) -> None:
         self.storage = storage
@@ -39,22 +44,6 @@ class AttentionBackend(ABC):
         `q_pos - k_pos < window` only (HF sliding-window semantics); `softcap`: tanh logit cap."""
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {}
-
-
-def register_backend(name: str):
-    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        _BACKENDS[name] = cls
-        return cls
-
-    return wrap
-
-
 def get_attention_backend(name: str, storage: KVCacheStorage) -> AttentionBackend:
-    # Import here so that registering backends needs no import order from callers.
-    from edgeinfer.engine.attention import torch_backend  # noqa: F401
-
-    try:
-        return _BACKENDS[name](storage)
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r} (known: {', '.join(_BACKENDS)})") from None
+    """The backend registered as `name` (registry.py) over `storage`."""
+    return load_class(ATTENTION_BACKENDS, name, "attention backend")(storage)

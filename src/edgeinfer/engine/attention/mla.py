@@ -15,13 +15,12 @@ Two ways to attend over it, both exact:
   Cost per query ~ H · (S · (rank + rope) + rank · (nope + v)): the context is never up-projected.
 
 Prefill chunks always expand (their queries share the up-projection, and rank > nope); decodes use the
-selected mode. `EDGEINFER_MLA_MODE=absorb|expand` selects it (default: absorb, measured faster on CPU by
-`bench/moe_decode.py`, see docs/benchmarks.md).
+mode the model was built with (`EngineConfig.mla_mode`, `--mla-mode`; the names and the default are in
+registry.py).
 """
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -30,9 +29,7 @@ import torch.nn.functional as F
 
 from edgeinfer.engine.attention.backend import AttentionBackend
 from edgeinfer.engine.attention.metadata import AttentionMetadata
-
-MLA_MODE_ENV = "EDGEINFER_MLA_MODE"
-DEFAULT_MLA_MODE = "absorb"
+from edgeinfer.engine.attention.registry import MLA_MODES, load_class
 
 
 @dataclass(frozen=True)
@@ -124,21 +121,9 @@ class ExpandLatentAttention(LatentAttention):
         return out.squeeze(2)
 
 
-_MODES: dict[str, type[LatentAttention]] = {
-    AbsorbLatentAttention.name: AbsorbLatentAttention,
-    ExpandLatentAttention.name: ExpandLatentAttention,
-}
-
-
-def get_latent_attention(mode: str | None = None) -> LatentAttention:
-    """The decode mode `mode`, or the one `EDGEINFER_MLA_MODE` names, or the default (absorb)."""
-    name = mode or os.environ.get(MLA_MODE_ENV) or DEFAULT_MLA_MODE
-    try:
-        return _MODES[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown MLA mode {name!r} (set {MLA_MODE_ENV} to one of {', '.join(_MODES)})"
-        ) from None
+def get_latent_attention(mode: str) -> LatentAttention:
+    """The decode mode named `mode` (absorb or expand)."""
+    return load_class(MLA_MODES, mode, "MLA mode")()
 
 
 def _expand(

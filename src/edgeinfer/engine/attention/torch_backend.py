@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from edgeinfer.engine.attention.backend import AttentionBackend, register_backend
+from edgeinfer.engine.attention.backend import AttentionBackend
 from edgeinfer.engine.attention.metadata import AttentionMetadata
 
 
@@ -71,11 +71,9 @@ def _grouped_decode(
     return torch.matmul(probs, v.transpose(1, 2)).view(b, hq, v.shape[-1])
 
 
-@register_backend("torch")
 class TorchPagedBackend(AttentionBackend):
-    # Set by `kernels.decode.use_decode_ops`: a one-sequence decode step over a plain bf16 cache takes
-    # one call of our `paged_decode_one` (write, then attend over the blocks where they lie) per layer.
-    decode_ops = False
+    """With `decode_ops`, a one-sequence decode step over a plain bf16 cache takes one call of our
+    `paged_decode_one` (write, then attend over the blocks where they lie) per layer."""
 
     def attend(self, layer, q, k, v, scale, window=None, softcap=None):
         meta = self.meta

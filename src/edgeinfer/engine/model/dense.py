@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edgeinfer.engine.attention import AttentionBackend, KVSpec
+from edgeinfer.engine.attention.backend import AttentionBackend
+from edgeinfer.engine.attention.storage import KVSpec
 from edgeinfer.engine.model.layers.attention import AttentionShape, SelfAttention
 from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.layers.norm import RMSNorm

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edgeinfer.engine.attention import AttentionBackend
+from edgeinfer.engine.attention.backend import AttentionBackend
 from edgeinfer.engine.attention.mla import LatentAttention, LatentShape
 from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding

@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgeinfer.engine.attention import AttentionBackend, KVSpec
+from edgeinfer.engine.attention.backend import AttentionBackend
 from edgeinfer.engine.attention.mla import LatentAttention, get_latent_attention
+from edgeinfer.engine.attention.registry import DEFAULT_MLA_MODE
+from edgeinfer.engine.attention.storage import KVSpec
 from edgeinfer.engine.model.layers.attention import AttentionShape, SelfAttention
 from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.layers.norm import RMSNorm
@@ -72,11 +74,11 @@ class MoeDecoderLayer(nn.Module):
 class MoeCausalLM(nn.Module):
     """Flat-batch forward like `DenseCausalLM`: `input_ids` [T] of all scheduled sequences concatenated."""
 
-    def __init__(self, args: MoeArgs, latent: LatentAttention | None = None) -> None:
+    def __init__(self, args: MoeArgs, mla_mode: str = DEFAULT_MLA_MODE) -> None:
         super().__init__()
         self.args = args
         rope = RotaryEmbedding(args.rope_dim, args.rope, args.max_pos, args.rope_interleaved)
-        latent = latent or get_latent_attention()
+        latent = get_latent_attention(mla_mode)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden)
         self.model.layers = nn.ModuleList(

@@ -1,5 +1,6 @@
-"""engine/quant room: weight methods (int8, int4, fp8), KV-cache quantizers, and the lossless bf16 codec
-(`edgeinfer.engine.quant.codec`). docs/quantization.md describes formats and error bounds."""
+"""engine/quant room: weight methods (int8, int4, fp8) and KV-cache quantizers (lossy); the lossless bf16
+codec is a storage format and lives with the loaders (`engine/model/loader/codec`). docs/quantization.md
+describes formats and error bounds."""
 
 from edgeinfer.engine.quant.apply import quantize_model
 from edgeinfer.engine.quant.base import (

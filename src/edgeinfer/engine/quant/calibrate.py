@@ -7,15 +7,13 @@ deliberately unrelated to the `edgeinfer eval` text, so accuracy is not measured
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-from edgeinfer.engine.attention.oneshot import prefill_hidden
 
 if TYPE_CHECKING:
     from edgeinfer.engine.tokenizer import Tokenizer
@@ -25,6 +23,10 @@ MAX_ROWS = 256  # input rows kept per layer for the scale search (the mean uses 
 # Calibration tokens for GPTQ's Hessians. On Gemma 3 270M int4 (16,384 eval tokens): 32k +4.80 % (KL 0.061),
 # 98k +4.51 % (KL 0.058), 196k +4.89 % (KL 0.056); 98k costs ~2.5 min more at load than 32k (2 threads).
 GPTQ_TOKENS = 98304
+
+# One window of token ids through the float model being calibrated -> its final hidden states [T, H]. The
+# caller supplies it (engine/loading.py: a one-shot prefill), so calibration needs no attention of its own.
+Prefill = Callable[[Sequence[int]], torch.Tensor]
 
 
 @dataclass
@@ -48,7 +50,7 @@ def calibration_ids(tokenizer: Tokenizer, gptq_text: str | None) -> list[int]:
     (`enwiki` or a file; a layer's Hessian needs many more rows than the scale search)."""
     if gptq_text is None:
         return tokenizer.encode(default_calibration_text(), add_special_tokens=False)
-    from edgeinfer.eval.corpus import load_text
+    from edgeinfer.corpus import load_text
 
     ids: list[int] = []
     for doc in load_text(gptq_text).documents:  # tokenized a document at a time: only what is needed
@@ -105,13 +107,13 @@ def collect_inputs(
     model: nn.Module,
     windows: Sequence[Sequence[int]],
     layer_names: Iterable[str],
-    dtype: torch.dtype,
-    device: torch.device,
+    prefill: Prefill,
     max_rows: int = MAX_ROWS,
     hessians: bool = False,
 ) -> dict[str, InputSample]:
-    """Run the float model over `windows` and return the inputs of the named linear layers (with
-    `hessians`, also `X^T X` of each decoder layer's inputs; not the lm_head's, which GPTQ leaves alone)."""
+    """Run the float model over `windows` (through `prefill`) and return the inputs of the named linear
+    layers (with `hessians`, also `X^T X` of each decoder layer's inputs; not the lm_head's, which GPTQ
+    leaves alone)."""
     keep_every = max(1, -(-sum(len(w) for w in windows) // max_rows))
     recorders = {name: _Recorder(keep_every, hessians and name != "lm_head") for name in layer_names}
     modules = dict(model.named_modules())
@@ -119,7 +121,7 @@ def collect_inputs(
     head = recorders.get("lm_head")  # the lm_head runs outside forward: it is fed the final hidden states
     try:
         for ids in windows:
-            hidden = prefill_hidden(model, ids, dtype, device)
+            hidden = prefill(ids)
             if head is not None:
                 head(modules["lm_head"], (hidden,), hidden)
     finally:

@@ -17,11 +17,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from edgeinfer.engine.model.loader.conversion import CheckpointSource
 from edgeinfer.engine.quant.apply import SkipRule, make_skip
 from edgeinfer.engine.quant.base import WeightMethod
-from edgeinfer.engine.quant.calibrate import calibration_ids
-from edgeinfer.engine.quant.io import CheckpointSource
-from edgeinfer.engine.quant.smoothing import scale_for_quantization
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +33,13 @@ def calibrated_source(
 ) -> CheckpointSource:
     """`source` with the tensors that calibration changed replaced (fp32); `skip`ped modules untouched.
     With `gptq` (its calibration text), int4 decoder layers carry GPTQ's states instead."""
-    from edgeinfer.engine.loading import load_model
+    from edgeinfer.engine.loading import calibrate, load_model
     from edgeinfer.engine.model.loader import open_checkpoint
-    from edgeinfer.engine.tokenizer import Tokenizer
 
     ckpt = open_checkpoint(spec)
     cpu = torch.device("cpu")
     model = load_model(ckpt, torch.float32, cpu)
-    tok = Tokenizer.from_checkpoint(ckpt)
-    ids = calibration_ids(tok, gptq)
-    with torch.no_grad():
-        report = scale_for_quantization(
-            model, method, ids, tok.bos_token_id, torch.float32, cpu, make_skip(skip), gptq=gptq is not None
-        )
+    report = calibrate(model, ckpt, method, torch.float32, cpu, gptq, make_skip(skip))
     log.info("calibration changed %d modules", len(report.changed))
     replacements = dict(checkpoint_tensors(model, report.changed - set(report.states)))
     states = dict(checkpoint_states(model, method, report.states))

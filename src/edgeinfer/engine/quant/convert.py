@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from edgeinfer.engine.model.loader.conversion import CheckpointSource, write_output_files
 from edgeinfer.engine.quant.apply import SkipRule, is_lm_head, make_skip
 from edgeinfer.engine.quant.base import QuantizationError, WeightMethod
 from edgeinfer.engine.quant.checkpoint import QuantizationConfig
-from edgeinfer.engine.quant.io import CheckpointSource, write_output_files
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from edgeinfer.engine.quant.base import QuantizationError, WeightMethod
-from edgeinfer.engine.quant.calibrate import WINDOW, InputSample, calibration_windows, collect_inputs
+from edgeinfer.engine.quant.calibrate import WINDOW, InputSample, Prefill, calibration_windows, collect_inputs
 from edgeinfer.engine.quant.gptq import gptq_int4
 from edgeinfer.engine.quant.int4 import Int4Method
 
@@ -300,22 +300,22 @@ def scale_for_quantization(
     method: WeightMethod,
     token_ids: list[int],
     bos_token_id: int | None,
-    dtype: torch.dtype,
-    device: torch.device,
+    prefill: Prefill,
     skip: Callable[[str], bool] = lambda name: False,
     head_method: WeightMethod | None = None,
     gptq: bool = False,
 ) -> SmoothReport:
-    """Calibrate on `token_ids` (the float model's activations), scale the recognised layers' inputs
-    (the lm_head's only with a `head_method`), then quantize int4 decoder layers on energy-weighted grids
-    into `report.states`, with `gptq` (int4 only) rounded by GPTQ instead of to nearest."""
+    """Calibrate on `token_ids` (the float model's activations, each window run through `prefill`), scale
+    the recognised layers' inputs (the lm_head's only with a `head_method`), then quantize int4 decoder
+    layers on energy-weighted grids into `report.states`, with `gptq` (int4 only) rounded by GPTQ instead
+    of to nearest."""
     if gptq and not isinstance(method, Int4Method):
         raise QuantizationError(f"GPTQ calibration is for int4 weights, not {method.name}")
     has_head = isinstance(getattr(model, "lm_head", None), nn.Linear)  # tied MoE models compute it inline
     names = decoder_linears(model) + (["lm_head"] if head_method is not None and has_head else [])
     max_pos = getattr(getattr(model, "args", None), "max_pos", WINDOW + 1)
     windows = calibration_windows(token_ids, bos_token_id, min(WINDOW, max_pos - 1))
-    samples = collect_inputs(model, windows, names, dtype, device, hessians=gptq)
+    samples = collect_inputs(model, windows, names, prefill, hessians=gptq)
     report = smooth_model(model, method, samples, skip, head_method=head_method)
     decoder = {n: s for n, s in samples.items() if n != "lm_head" and not skip(n)}
     if isinstance(method, Int4Method):

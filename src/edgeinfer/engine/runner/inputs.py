@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from edgeinfer.engine.attention import AttentionMetadata
+from edgeinfer.engine.attention.metadata import AttentionMetadata
 from edgeinfer.engine.kv_cache import NULL_BLOCK
 from edgeinfer.engine.scheduler import ScheduledChunk
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from edgeinfer.engine.attention import KVCacheStorage, get_attention_backend
+from edgeinfer.engine.attention.backend import get_attention_backend
+from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.model.compile import DecodeCompiledForward
 from edgeinfer.engine.quant.kernels.decode import use_decode_ops
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
@@ -54,7 +55,8 @@ class ModelRunner:
         self.device = device
         self.backend = get_attention_backend(backend, storage)
         if decode_ops:  # the model runs on our CPU kernels, so they are built and loaded
-            use_decode_ops(model, self.backend)
+            use_decode_ops(model)
+            self.backend.decode_ops = True
         self.sampler = Sampler(vocab_limit)
         self.grammar = GrammarRuntime(guidance_tokenizer) if guidance_tokenizer is not None else None
         self.num_steps = 0

@@ -3,7 +3,6 @@
 from edgeinfer.engine.model.loader.base import Checkpoint
 from edgeinfer.engine.model.loader.default_model import (
     DEFAULT_MODEL_ALIASES,
-    DEFAULT_MODEL_NAME,
     is_default_model,
     resolve_default_model,
 )
@@ -12,7 +11,6 @@ from edgeinfer.engine.model.loader.opener import checkpoint_location, open_check
 
 __all__ = [
     "DEFAULT_MODEL_ALIASES",
-    "DEFAULT_MODEL_NAME",
     "Checkpoint",
     "CheckpointError",
     "checkpoint_location",

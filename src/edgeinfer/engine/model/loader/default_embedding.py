@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from edgeinfer.engine.config import DEFAULT_EMBEDDING_MODEL
 from edgeinfer.engine.model.loader.default_model import _record_sha256, _sha256_of, models_cache_dir
 from edgeinfer.engine.model.loader.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_EMBEDDING_NAME = "all-minilm-l6-v2"
 DEFAULT_EMBEDDING_ALIASES = frozenset(
     {
-        DEFAULT_EMBEDDING_NAME,
+        DEFAULT_EMBEDDING_MODEL,
         "@cf/sentence-transformers/all-minilm-l6-v2",
         "sentence-transformers/all-MiniLM-L6-v2",
     }

@@ -22,12 +22,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from edgeinfer.engine.config import DEFAULT_MODEL
 from edgeinfer.engine.model.loader.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "gemma-3-270m"
-DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL_NAME, "google/gemma-3-270m", "@cf/google/gemma-3-270m"})
+DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL, "google/gemma-3-270m", "@cf/google/gemma-3-270m"})
 MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
 MODEL_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 _VERSION = "1.0.0"
@@ -56,7 +56,7 @@ def models_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "edgeinfer" / "models"
 
 
-def resolve_default_model(name: str = DEFAULT_MODEL_NAME, cache_dir: Path | None = None) -> Path:
+def resolve_default_model(name: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> Path:
     """Path of the verified default GGUF, assembling it on first use. Later calls return at once."""
     if not is_default_model(name):
         known = ", ".join(sorted(DEFAULT_MODEL_ALIASES))

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from edgeinfer.engine.model.loader.base import Checkpoint, cast_floating, with_progress
+from edgeinfer.engine.model.loader.codec import CodecError, open_compressed
+from edgeinfer.engine.model.loader.codec.files import COMPRESSED_FILE
 from edgeinfer.engine.model.loader.errors import CheckpointError, one_line
 from edgeinfer.engine.model.loader.safetensors_checkpoint import read_config_json
-from edgeinfer.engine.quant.codec import CodecError, open_compressed
-from edgeinfer.engine.quant.codec.files import COMPRESSED_FILE
 
 
 def is_eiz_directory(path: Path) -> bool:

@@ -1,4 +1,5 @@
-"""Our one-call decode ops (decode_ops.cpp) switched on for a model and its attention backend.
+"""Our one-call decode ops (decode_ops.cpp) switched on for a model's layers; the runner also sets its
+attention backend's `decode_ops`.
 
 A one-sequence decode step of a small model costs more in calling ops than in their arithmetic. With
 the ops on, each RMSNorm of bf16 rows is one call instead of ~6, each rotary embedding one instead of
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from edgeinfer.engine.attention import AttentionBackend
-from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
 from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
@@ -22,11 +21,9 @@ from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
 _MODULES = (RMSNorm, RotaryEmbedding, GatedMLP)  # those with a `kernel` switch
 
 
-def use_decode_ops(model: nn.Module, backend: AttentionBackend) -> None:
-    """Turn the ops on for the model's norms, rotary embeddings and gated MLPs and, if it is ours, the
-    backend (call after `kernels.load()`)."""
+def use_decode_ops(model: nn.Module) -> None:
+    """Turn the ops on for the model's norms, rotary embeddings and gated MLPs (call after
+    `kernels.load()`)."""
     for module in model.modules():
         if isinstance(module, _MODULES):
             module.kernel = True
-    if isinstance(backend, TorchPagedBackend):
-        backend.decode_ops = True

@@ -1,6 +1,6 @@
-"""Micro-benchmarks of the quantized linear kernels and of the bf16 codec.
+"""Micro-benchmarks of the quantized linear kernels.
 
-    python -m edgeinfer.engine.quant.bench [--threads 1] [--repeats 20]
+    python bench/quant_linears.py [--threads 1] [--repeats 20]
 
 Prints a markdown table: milliseconds per call (best of `repeats`, so shared-machine noise inflates
 nothing), for each (out x in) shape, tokens M, and method. Numbers are for docs/quantization.md, never

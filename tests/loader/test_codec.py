@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from edgeinfer.engine.quant.codec import CodecError, compress_tensors, huffman, open_compressed
-from edgeinfer.engine.quant.codec.container import HEADER, read_index
+from edgeinfer.engine.model.loader.codec import CodecError, compress_tensors, huffman, open_compressed
+from edgeinfer.engine.model.loader.codec.container import HEADER, read_index
 
 # NaNs with several payloads and both signs, +-inf, +-0, subnormals, extremes of the normal range
 SPECIAL_BITS = [

@@ -1,11 +1,10 @@
 """Lossless bf16 weight codec (exponent Huffman coding) and its `.eiz` container."""
 
-from edgeinfer.engine.quant.codec.container import CodecError
-from edgeinfer.engine.quant.codec.files import (
+from edgeinfer.engine.model.loader.codec.container import CodecError
+from edgeinfer.engine.model.loader.codec.files import (
     COMPRESSED_FILE,
     CompressedFile,
     CompressStats,
-    compress_checkpoint,
     compress_tensors,
     open_compressed,
 )
@@ -15,7 +14,6 @@ __all__ = [
     "CodecError",
     "CompressStats",
     "CompressedFile",
-    "compress_checkpoint",
     "compress_tensors",
     "open_compressed",
 ]

@@ -1,7 +1,10 @@
 """One CLI, `edgeinfer`: generate, embed, serve, router, fleet, bench, quantize, compress, eval.
 
-Each room owns its subcommand in its own `cli.py` (`add_arguments(parser)` and `run(args) -> int`);
-this file only routes. Errors the user can fix end as one line on stderr and exit code 2.
+A subcommand is a module with `add_arguments(parser)` and `run(args) -> int` (or `<name>_command` holding
+both). The engine's commands live in this package (`generate`, `embed`, `quantize` / `compress`), with the
+engine flags they share (`engine_args.py`); the rooms built on the engine own theirs (`node/cli.py`,
+`router/`, `fleet/`, `bench/`, `eval/`). This file only routes. Errors the user can fix end as one line on
+stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import NoReturn
 
 # subcommand → (module, help). Modules import lazily so `edgeinfer generate` never loads the server.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("edgeinfer.engine.cli", "generate a completion for one prompt (text to stdout)"),
-    "embed": ("edgeinfer.engine.embedding.cli", "embed texts; print the vectors' shape and first values"),
+    "generate": ("edgeinfer.cli.generate", "generate a completion for one prompt (text to stdout)"),
+    "embed": ("edgeinfer.cli.embed", "embed texts; print the vectors' shape and first values"),
     "serve": ("edgeinfer.node.cli", "run the node server (OpenAI and Workers-AI APIs)"),
     "router": ("edgeinfer.router.cli", "run the edge router in front of a fleet of nodes"),
     "fleet": (
@@ -26,10 +30,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "edgeinfer.bench.audit_cache",
         "measure whether a server's prompt cache leaks one tenant's prompts to another (TTFT, ROC AUC)",
     ),
-    "quantize": ("edgeinfer.engine.quant.cli", "write a weight-quantized checkpoint"),
-    "compress": ("edgeinfer.engine.quant.cli", "write a losslessly compressed BF16 checkpoint"),
+    "quantize": ("edgeinfer.cli.quantize", "write a weight-quantized checkpoint"),
+    "compress": ("edgeinfer.cli.quantize", "write a losslessly compressed BF16 checkpoint"),
     "eval": ("edgeinfer.eval.cli", "perplexity and divergence against a baseline"),
 }
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake is one line, as every other error the user can fix (the usage of a command with
+    dozens of flags would bury it; `--help` prints it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _load(name: str):
@@ -38,7 +50,7 @@ def _load(name: str):
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edgeinfer", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="edgeinfer", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
@@ -65,6 +77,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edgeinfer {args.command}: error: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from edgeinfer.engine.quant.codec import huffman
+from edgeinfer.engine.model.loader.codec import huffman
 
 
 @dataclass

@@ -8,29 +8,11 @@ import logging
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
-
+from edgeinfer.engine.model.loader.conversion import compress_checkpoint, open_source
 from edgeinfer.engine.quant.base import QuantizationError, get_weight_method, weight_methods
 from edgeinfer.engine.quant.int4 import DEFAULT_GROUP_SIZE, GROUP_SIZES
-from edgeinfer.engine.quant.io import CheckpointSource, source_from_dir
 
 log = logging.getLogger(__name__)
-
-
-def open_source(spec: str) -> CheckpointSource:
-    """An HF safetensors directory as stored, or anything `open_checkpoint` opens (a `.gguf`, the default
-    model's name), dequantized to bf16 with its tokenizer files built."""
-    path = Path(spec).expanduser()
-    if path.is_dir() and any(path.glob("*.safetensors")):
-        return source_from_dir(path)
-    from edgeinfer.engine.model.loader import open_checkpoint
-    from edgeinfer.engine.tokenizer import Tokenizer
-
-    ckpt = open_checkpoint(spec)
-    Tokenizer.from_checkpoint(ckpt)  # builds and caches tokenizer files for a GGUF, so they can be copied
-    log.info("reading %s (%s), floating-point tensors as bf16", ckpt.path, ckpt.format)
-    tensors = ckpt.iter_tensors(torch.bfloat16)
-    return CheckpointSource(str(ckpt.path), ckpt.config, tensors, ckpt.tokenizer_dir)
 
 
 def _add_io(parser: argparse.ArgumentParser, what: str) -> None:
@@ -99,7 +81,7 @@ def add_compress_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_compress(args: argparse.Namespace) -> int:
-    from edgeinfer.engine.quant.codec import compress_checkpoint, open_compressed
+    from edgeinfer.engine.model.loader.codec import open_compressed
 
     _refuse_existing(args.output)
     stats = compress_checkpoint(open_source(args.input), args.output)

@@ -1,8 +1,11 @@
-"""Reading a Hugging Face safetensors directory and carrying its side files (config, tokenizer) along."""
+"""What checkpoint conversions (`edgeinfer quantize`, `edgeinfer compress`) read and write: a source of
+tensors with its config, read from an HF safetensors directory or anything `open_checkpoint` opens, and
+the side files (config, tokenizer) carried into the converted directory."""
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -12,7 +15,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from edgeinfer.engine.quant.base import QuantizationError
+from edgeinfer.engine.model.loader.codec import COMPRESSED_FILE, CompressStats, compress_tensors
+from edgeinfer.engine.model.loader.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 #: files never carried into a converted checkpoint (weights, their index, loader caches' stamps)
@@ -34,6 +40,22 @@ class CheckpointSource:
     states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
+def open_source(spec: str) -> CheckpointSource:
+    """An HF safetensors directory as stored, or anything `open_checkpoint` opens (a `.gguf`, the default
+    model's name), dequantized to bf16 with its tokenizer files built."""
+    path = Path(spec).expanduser()
+    if path.is_dir() and any(path.glob("*.safetensors")):
+        return source_from_dir(path)
+    from edgeinfer.engine.model.loader.opener import open_checkpoint
+    from edgeinfer.engine.tokenizer import Tokenizer
+
+    ckpt = open_checkpoint(spec)
+    Tokenizer.from_checkpoint(ckpt)  # builds and caches tokenizer files for a GGUF, so they can be copied
+    log.info("reading %s (%s), floating-point tensors as bf16", ckpt.path, ckpt.format)
+    tensors = ckpt.iter_tensors(torch.bfloat16)
+    return CheckpointSource(str(ckpt.path), ckpt.config, tensors, ckpt.tokenizer_dir)
+
+
 def source_from_dir(src: Path) -> CheckpointSource:
     """An HF safetensors directory, tensors in their stored dtypes (nothing is cast)."""
     safetensors_files(src)  # fail early on an empty directory
@@ -43,10 +65,10 @@ def source_from_dir(src: Path) -> CheckpointSource:
 def safetensors_files(src: Path) -> list[Path]:
     """The weight files of a checkpoint directory, in a stable order."""
     if not src.is_dir():
-        raise QuantizationError(f"{src} is not a directory")
+        raise CheckpointError(f"{src} is not a directory")
     files = sorted(src.glob("*.safetensors"))
     if not files:
-        raise QuantizationError(f"no *.safetensors files in {src}")
+        raise CheckpointError(f"no *.safetensors files in {src}")
     return files
 
 
@@ -66,7 +88,7 @@ def read_config(src: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise QuantizationError(f"{path}: invalid JSON ({e})") from None
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
 
 
 def write_output_files(dst: Path, source: CheckpointSource, config: dict[str, Any]) -> list[str]:
@@ -79,3 +101,12 @@ def write_output_files(dst: Path, source: CheckpointSource, config: dict[str, An
                 shutil.copy2(path, dst / path.name)
                 copied.append(path.name)
     return copied
+
+
+def compress_checkpoint(source: CheckpointSource, dst: Path) -> CompressStats:
+    """Write `dst/model.eiz` from `source`'s tensors (the lossless codec), plus its config and side files."""
+    dst.mkdir(parents=True, exist_ok=True)
+    stats = compress_tensors(source.tensors, dst / COMPRESSED_FILE, metadata={"source": source.label})
+    write_output_files(dst, source, source.config)
+    log.info("compressed %s: %s", source.label, stats.summary())
+    return stats

@@ -1,6 +1,8 @@
-"""The evaluation text: held-out English prose that ships inside an installable package, or any file.
+"""Named English texts that ship inside an installable package, or any UTF-8 file: what `edgeinfer eval`
+scores and what GPTQ calibrates on (engine/quant/calibrate.py); a room of its own, so quantization
+imports nothing of eval.
 
-The default, `lee`, is the background corpus of Lee, Pincombe and Welsh (2005): 300 English news
+`lee`, the eval text's default, is the background corpus of Lee, Pincombe and Welsh (2005): 300 English news
 articles (Australian Broadcasting Corporation, ~60k words, one article per line) that the gensim package
 ships as test data (`gensim/test/test_data/lee_background.cor`; gensim is LGPL-2.1; the articles are
 the ABC's, redistributed by gensim for research). We read the file from the installed package and never
@@ -20,14 +22,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_TEXT = "lee"
+NEWS_TEXT = "lee"
 WIKI_TEXT = "enwiki"
 _WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 GENSIM_REQUIREMENT = "gensim==4.4.0"
 
 
 @dataclass(frozen=True)
-class EvalText:
+class Corpus:
     """A named text split into documents (non-empty lines)."""
 
     name: str
@@ -43,7 +45,7 @@ def _package_file(package: str, relative: str, hint: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            f"the eval text {hint!r} ships in the {package} package: pip install {GENSIM_REQUIREMENT}"
+            f"the text {hint!r} ships in the {package} package: pip install {GENSIM_REQUIREMENT}"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
@@ -51,9 +53,9 @@ def _package_file(package: str, relative: str, hint: str) -> Path:
     return path
 
 
-def load_text(spec: str = DEFAULT_TEXT) -> EvalText:
-    """`lee` (the default news corpus), `enwiki` (Wikipedia prose) or the path of a UTF-8 text file."""
-    if spec == DEFAULT_TEXT:
+def load_text(spec: str) -> Corpus:
+    """`lee` (the news corpus), `enwiki` (Wikipedia prose) or the path of a UTF-8 text file."""
+    if spec == NEWS_TEXT:
         path = _package_file("gensim", "test/test_data/lee_background.cor", spec)
         name = "Lee background corpus (gensim test data)"
         content = path.read_text(encoding="utf-8")
@@ -64,13 +66,13 @@ def load_text(spec: str = DEFAULT_TEXT) -> EvalText:
     else:
         path = Path(spec).expanduser()
         if not path.is_file():
-            raise ValueError(f"text {spec!r} is neither {DEFAULT_TEXT!r}, {WIKI_TEXT!r} nor a readable file")
+            raise ValueError(f"text {spec!r} is neither {NEWS_TEXT!r}, {WIKI_TEXT!r} nor a readable file")
         name = path.name
         content = path.read_text(encoding="utf-8")
     documents = [line.strip() for line in content.splitlines() if line.strip()]
     if not documents:
         raise ValueError(f"text {path} is empty")
-    return EvalText(name, str(path), documents)
+    return Corpus(name, str(path), documents)
 
 
 _MARKUP = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from edgeinfer.engine.model.loader.default_embedding import DEFAULT_EMBEDDING_NAME
+from edgeinfer.engine.config import DEFAULT_EMBEDDING_MODEL
 
 _SHOWN = 8
 
@@ -12,9 +12,9 @@ _SHOWN = 8
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        default=DEFAULT_EMBEDDING_NAME,
+        default=DEFAULT_EMBEDDING_MODEL,
         help="sentence-transformers directory or a known name "
-        f"(default: {DEFAULT_EMBEDDING_NAME}, installed and cached on first use)",
+        f"(default: {DEFAULT_EMBEDDING_MODEL}, installed and cached on first use)",
     )
     p.add_argument("--text", action="append", required=True, help="text to embed (repeatable)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if not is_embedding_model(args.model):
         raise ValueError(
             f"{args.model}: not an embedding model (a BERT sentence-transformers directory, "
-            f"or {DEFAULT_EMBEDDING_NAME})"
+            f"or {DEFAULT_EMBEDDING_MODEL})"
         )
     from edgeinfer.engine.embedding.config import EmbeddingConfig
     from edgeinfer.engine.embedding.embedder import Embedder

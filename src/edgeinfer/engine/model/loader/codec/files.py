@@ -1,4 +1,4 @@
-"""Compress a checkpoint to `model.eiz` and read it back (`edgeinfer compress`, cold-start loading)."""
+"""Write named tensors to a `.eiz` file and read them back (`edgeinfer compress`, cold-start loading)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edgeinfer.engine.quant.codec.container import (
+from edgeinfer.engine.model.loader.codec.container import (
     CodecError,
     DataWriter,
     decode_entry,
@@ -21,7 +21,6 @@ from edgeinfer.engine.quant.codec.container import (
     read_index,
     write_container,
 )
-from edgeinfer.engine.quant.io import CheckpointSource, write_output_files
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +72,6 @@ def compress_tensors(
     size = write_container(path, write, metadata)
     stats = CompressedFile(path).stats()
     stats.stored_bytes, stats.seconds = size, time.perf_counter() - start
-    return stats
-
-
-def compress_checkpoint(source: CheckpointSource, dst: Path) -> CompressStats:
-    """Write `dst/model.eiz` from `source`'s tensors, plus its config and tokenizer files."""
-    dst.mkdir(parents=True, exist_ok=True)
-    stats = compress_tensors(source.tensors, dst / COMPRESSED_FILE, metadata={"source": source.label})
-    write_output_files(dst, source, source.config)
-    log.info("compressed %s: %s", source.label, stats.summary())
     return stats
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from edgeinfer.engine.model.loader import open_checkpoint
-from edgeinfer.engine.quant.codec import compress_tensors, open_compressed
+from edgeinfer.engine.model.loader.codec import compress_tensors, open_compressed
 
 pytestmark = [pytest.mark.gemma, pytest.mark.slow]
 

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from edgeinfer.engine.quant.codec.bf16 import EncodedBF16, decode_bf16, encode_bf16
+from edgeinfer.engine.model.loader.codec.bf16 import EncodedBF16, decode_bf16, encode_bf16
 
 MAGIC = b"EDGEIZ\r\n"
 VERSION = 1

@@ -6,17 +6,12 @@ import argparse
 import sys
 import uuid
 
-from edgeinfer.engine.config import DEFAULT_MODEL, EngineConfig
+from edgeinfer.cli.engine_args import add_engine_arguments, add_model_argument, engine_config
 from edgeinfer.types import EngineRequest, SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="HF directory, .gguf file or a known name "
-        f"(default: {DEFAULT_MODEL}, obtained and cached on first use)",
-    )
+    add_model_argument(p)
     p.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user message)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -25,17 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, help="weight quantization: int8, int4, fp8")
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--threads", type=int, default=None, help="threads for the ops (default: every core)")
-    p.add_argument(
-        "--cpu-gemv",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="int8/int4/bf16 through our CPU kernels (int4 as W4A8; docs/quantization.md); default: where "
-        "the CPU has the features (AVX512-VNNI for int8/int4, AVX2 for bf16)",
-    )
+    add_engine_arguments(p.add_argument_group("engine"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,19 +32,10 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
+    config = engine_config(args, args.model)
     from edgeinfer.engine.engine import LLMEngine
 
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            cpu_gemv=args.cpu_gemv,
-            batch_window_ms=0,
-            threads=args.threads,
-        )
-    )
+    engine = LLMEngine(config)
     prompt = args.prompt
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
