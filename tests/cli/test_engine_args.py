@@ -17,7 +17,8 @@ FLAGS = [
     "--device", "cuda", "--dtype", "float16", "--quantization", "int4", "--lm-head-quantization", "none",
     "--gptq", "enwiki", "--no-cpu-gemv", "--kv-cache-dtype", "int8", "--kv-cache-memory", "64MiB",
     "--max-model-len", "256", "--max-num-seqs", "3", "--max-num-batched-tokens", "96",
-    "--max-step-ms", "0", "--shared-step-ms", "40", "--batch-window-ms", "0", "--no-prefix-caching", "--no-tenant-shares", "--attention-backend", "torch",
+    "--max-step-ms", "0", "--shared-step-ms", "40",
+    "--batch-window-ms", "0", "--no-prefix-caching", "--no-tenant-shares", "--attention-backend", "torch",
     "--mla-mode", "expand", "--compile", "--no-prepared-cache", "--cache-dir", "/tmp/edgeinfer-cache",
     "--threads", "3",
 ]  # fmt: skip
