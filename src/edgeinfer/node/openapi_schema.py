@@ -75,6 +75,21 @@ _STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("get", "/ready"): (503, *_ANY),
     ("post", "/node/prefetch"): (400, 403, 404, *_ANY),
 }
+# Generation routes answer `stream: true` with server-sent events. Open API 3.1 has no schema for a stream,
+# so `schema` describes one event, as readers of 3.1 (schemathesis among them) take it.
+_STREAMING = (
+    ("post", "/v1/completions"),
+    ("post", "/v1/chat/completions"),
+    ("post", "/accounts/{account_id}/ai/run/{model}"),
+)
+_EVENT_STREAM = {
+    "schema": {
+        "type": "object",
+        "description": "With `stream: true`, one server-sent event",
+        "properties": {"data": {"type": "string", "description": "one JSON chunk; the last event: [DONE]"}},
+        "required": ["data"],
+    }
+}
 
 
 def install(app: FastAPI, open_node: bool) -> None:
@@ -86,6 +101,7 @@ def install(app: FastAPI, open_node: bool) -> None:
                 title=app.title, version=app.version, description=app.description, routes=app.routes
             )
             _exact_bodies(schema)
+            _declare_streams(schema)
             _declare_errors(schema)
             if open_node:
                 _optional_auth(schema)
@@ -108,6 +124,12 @@ def _add_definitions(schema: dict[str, Any], models: tuple[type[BaseModel], ...]
         definition = model.model_json_schema(ref_template=_REF)
         components.update(definition.pop("$defs", {}))
         components[model.__name__] = definition
+
+
+def _declare_streams(schema: dict[str, Any]) -> None:
+    for method, path in _STREAMING:
+        ok = schema["paths"][path][method]["responses"]["200"]
+        ok.setdefault("content", {})["text/event-stream"] = _EVENT_STREAM
 
 
 def _declare_errors(schema: dict[str, Any]) -> None:
