@@ -65,6 +65,15 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not computed yet: 1 for a decoding request, more while it prefills."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncomputed_tokens > 1
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -152,8 +152,8 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled: set[str] = set()
         # Decodes (one token owed) before partial prefills; sorted() is stable, so arrival order holds.
-        ordered = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        prefills = [r for r in ordered if r.num_tokens - r.num_computed_tokens > 1]
+        ordered = sorted(self.running, key=lambda r: r.is_prefilling)
+        prefills = [r for r in ordered if r.is_prefilling]
         for req in ordered if not self.config.fair_share else ordered[: len(ordered) - len(prefills)]:
             if budget == 0:
                 break
@@ -171,7 +171,7 @@ class Scheduler:
         """Schedule a running request's next tokens; returns how many (0: it was preempted)."""
         if req.status != RequestStatus.RUNNING:
             return 0  # preempted earlier in this step
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = min(req.num_uncomputed_tokens, budget)
         table = self._allocate_or_preempt(req, n, scheduled, out)
         if table is None:
             return 0
@@ -191,7 +191,12 @@ class Scheduler:
         while budget > 0 and lanes:
             # least served first; on a tie (a tenant that just arrived), the shortest prefill
             tenant = min(
-                lanes, key=lambda t: (self._rank(lanes[t][0][0]), self.fair.service[t], _left(lanes[t]))
+                lanes,
+                key=lambda t: (
+                    self._rank(lanes[t][0][0]),
+                    self.fair.service[t],
+                    lanes[t][0][0].num_uncomputed_tokens,
+                ),
             )
             req, waiting = lanes[tenant].popleft()
             if not lanes[tenant]:
@@ -335,7 +340,7 @@ class Scheduler:
         return sum(
             max(blocks_for(r.num_tokens, bs) - len(self.kv.tables.get(r.request_id, ())), 0)
             for r in self.running
-            if r.status == RequestStatus.RUNNING and r.num_tokens - r.num_computed_tokens > 1
+            if r.is_prefilling
         )
 
     @staticmethod
@@ -382,12 +387,6 @@ class Scheduler:
             raise AssertionError(
                 f"blocks held by requests not running: {sorted(set(self.kv.tables) - running)}"
             )
-
-
-def _left(lane: deque[tuple[Request, bool]]) -> int:
-    """Prefill tokens the lane's next request still needs (before any prefix-cache hit)."""
-    req = lane[0][0]
-    return req.num_tokens - req.num_computed_tokens
 
 
 def _brings_first_token(req: Request, out: SchedulerOutput) -> bool:
