@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
+from fastapi.responses import JSONResponse
 
 from edgeinfer.node.config import NodeLimits
 from edgeinfer.node.errors import ApiError, bad_request
@@ -137,12 +139,22 @@ def shorten(vectors: np.ndarray, dimensions: int | None, normalized: bool) -> np
     return short / np.maximum(np.linalg.norm(short, axis=1, keepdims=True), 1e-12)
 
 
+class VectorsResponse(JSONResponse):
+    """JSON whose numpy arrays orjson writes itself: each float32 in its shortest form that reads back to
+    the same float32 (9 digits at most, not float64's 17), ~20x faster than `json` over `tolist()`
+    (which took most of the event loop's time per request under a load of single-text requests)."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def openai_body(job: EmbeddingJob, model: str, vectors: np.ndarray, usage: Usage) -> dict[str, Any]:
-    rows = vectors.astype("<f4", copy=False)
+    rows = np.ascontiguousarray(vectors, dtype="<f4")
+    data: Sequence[Any]
     if job.encoding_format == "base64":
         data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
     else:
-        data = rows.tolist()
+        data = rows  # one array per row, for VectorsResponse
     return {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
@@ -152,9 +164,9 @@ def openai_body(job: EmbeddingJob, model: str, vectors: np.ndarray, usage: Usage
 
 
 def workers_ai_body(vectors: np.ndarray) -> dict[str, Any]:
-    rows = vectors.astype(np.float32, copy=False)
+    rows = np.ascontiguousarray(vectors, dtype=np.float32)
     return {
-        "result": {"shape": list(rows.shape), "data": rows.tolist()},
+        "result": {"shape": list(rows.shape), "data": rows},
         "success": True,
         "errors": [],
         "messages": [],

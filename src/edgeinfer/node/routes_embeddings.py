@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from edgeinfer.node.auth import AuthTenant
 from edgeinfer.node.embedding_run import STATUS_CLIENT_CLOSED
-from edgeinfer.node.embeddings import openai_body, openai_embedding_job
+from edgeinfer.node.embeddings import VectorsResponse, openai_body, openai_embedding_job
 from edgeinfer.node.schemas import EmbeddingRequest
 
 router = APIRouter()
@@ -22,4 +22,4 @@ async def embeddings(body: EmbeddingRequest, request: Request, tenant: AuthTenan
     if outcome is None:
         return Response(status_code=STATUS_CLIENT_CLOSED)
     headers = {"x-edgeinfer-timing": outcome.timing}
-    return JSONResponse(openai_body(job, body.model, outcome.vectors, outcome.usage), headers=headers)
+    return VectorsResponse(openai_body(job, body.model, outcome.vectors, outcome.usage), headers=headers)

@@ -6,11 +6,11 @@ The model decides the task: text generation (`prompt` or `messages`) or text emb
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from edgeinfer.node.auth import AuthTenant
 from edgeinfer.node.embedding_run import STATUS_CLIENT_CLOSED
-from edgeinfer.node.embeddings import workers_ai_body, workers_ai_embedding_job
+from edgeinfer.node.embeddings import VectorsResponse, workers_ai_body, workers_ai_embedding_job
 from edgeinfer.node.prepare import check_one_workers_ai_input, workers_ai_job
 from edgeinfer.node.render import WorkersAIRenderer
 from edgeinfer.node.schemas import WorkersAIRunRequest
@@ -42,4 +42,4 @@ async def _embed(model: str, body: WorkersAIRunRequest, request: Request, tenant
     if outcome is None:
         return Response(status_code=STATUS_CLIENT_CLOSED)
     headers = {"x-edgeinfer-timing": outcome.timing}
-    return JSONResponse(workers_ai_body(outcome.vectors), headers=headers)
+    return VectorsResponse(workers_ai_body(outcome.vectors), headers=headers)
