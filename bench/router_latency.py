@@ -1,222 +1,506 @@
-"""Router added latency: TTFT through `edgeinfer router` and through `sglang-router` (both pinned to one
-core) minus TTFT straight to the same stub node, at 1, 64 and 256 concurrent streams; and requests/s.
+"""Router added latency: TTFT through `edgeinfer router` and through `sglang-router` (each pinned to CPU 0)
+minus TTFT straight to the same stub node, at 1, 64 and 256 concurrent streams; and the most requests/s each
+router passes on its one core.
 
-    python bench/router_latency.py [--write docs/benchmarks.md]
+    python bench/router_latency.py [--write docs/benchmarks.md] [--scale 1.0]
+
+The load side must cost less than the routers, or the numbers describe it instead: the stub node
+(bench/router_stub.py) and the load generator run in this one process, on one uvloop event loop pinned to
+CPU 1, both on raw asyncio protocols (a hand-written HTTP/1.1 request, keep-alive, an incremental chunked
+reader) with no HTTP library. Each row reports the CPU the router process and this process used over its
+window, and how busy each core was, so that a row whose load side ran out of CPU shows it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
-import statistics
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from docs_table import replace_section  # noqa: E402
+from router_stub import CHUNKS, INTERVAL_S, new_event_loop, serve  # noqa: E402
 
 SECTION = "router-latency"
-LEVELS = ((1, 60), (64, 384), (256, 1024))  # (concurrency, requests)
+ROUTER_CPU, LOAD_CPU = "0", "1"
+STREAM_LEVELS = ((1, 15.0), (64, 10.0), (256, 10.0))  # (concurrent streams, measured seconds)
+RATE_CONCURRENCY, RATE_SECONDS = 64, 8.0
+WARMUP_S = 1.5
+GRACE_S = 30.0
+TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def spawn(cmd: list[str], cpu: str | None, log: Path) -> subprocess.Popen[bytes]:
-    prefix = ["taskset", "-c", cpu] if cpu is not None else []
+def spawn(cmd: list[str], cpu: str, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.Popen(prefix + cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(
+        ["taskset", "-c", cpu, *cmd], stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env
+    )
 
 
-def wait_up(url: str, path: str, timeout: float = 60.0) -> None:
+# --- accounting -------------------------------------------------------------------------------------
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, its threads and its descendants."""
+    total = 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / TICKS
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += tree_cpu_s(int(child))
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return total
+
+
+def core_busy() -> dict[str, tuple[int, int]]:
+    """Per CPU: (busy ticks, all ticks) since boot."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("cpu") and line[3:4].isdigit():
+            name, *values = line.split()
+            ticks = [int(v) for v in values]
+            idle = ticks[3] + ticks[4]
+            out[name[3:]] = (sum(ticks[:8]) - idle, sum(ticks[:8]))
+    return out
+
+
+@dataclass
+class Window:
+    """CPU use over a measured window: the router's process, this process, each core."""
+
+    router_pid: int | None
+    t0: float = field(default_factory=time.perf_counter)
+    router0: float = 0.0
+    self0: float = field(default_factory=time.process_time)
+    cores0: dict[str, tuple[int, int]] = field(default_factory=core_busy)
+
+    def __post_init__(self) -> None:
+        self.router0 = tree_cpu_s(self.router_pid) if self.router_pid else 0.0
+
+    def close(self) -> dict[str, float]:
+        wall = time.perf_counter() - self.t0
+        cores = core_busy()
+        busy = {
+            c: 100 * (cores[c][0] - b0) / max(1, cores[c][1] - a0)
+            for c, (b0, a0) in self.cores0.items()
+            if c in cores
+        }
+        router = (tree_cpu_s(self.router_pid) - self.router0) if self.router_pid else 0.0
+        return {
+            "router_cpu": 100 * router / wall,
+            "load_cpu": 100 * (time.process_time() - self.self0) / wall,
+            "core0": busy.get(ROUTER_CPU, 0.0),
+            "core1": busy.get(LOAD_CPU, 0.0),
+        }
+
+
+# --- the load generator ------------------------------------------------------------------------------
+
+
+class Lost(Exception):
+    pass
+
+
+class Conn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection, one request at a time. `request` resolves to
+    (status, seconds to the first body byte, seconds to the end of the headers)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.fut: asyncio.Future[tuple[int, float, float]] | None = None
+        self.buf = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.fut is not None and not self.fut.done():
+            self.fut.set_exception(Lost(repr(exc)))
+
+    def request(self, raw: bytes) -> asyncio.Future[tuple[int, float, float]]:
+        if self.transport is None:
+            raise Lost("closed")
+        self.fut = asyncio.get_running_loop().create_future()
+        self.buf = b""
+        self.status = 0
+        self.in_head = True
+        self.chunked = False
+        self.remaining = 0  # content-length bytes still to come
+        self.skip = 0  # chunk data + CRLF still to come
+        self.ttft = 0.0
+        self.tth = 0.0  # to the end of the response headers
+        self.t0 = time.perf_counter()
+        self.transport.write(raw)
+        return self.fut
+
+    def data_received(self, data: bytes) -> None:
+        if self.fut is None or self.fut.done():
+            return
+        if self.in_head:
+            data = self.buf + data
+            end = data.find(b"\r\n\r\n")
+            if end < 0:
+                self.buf = data
+                return
+            self.tth = time.perf_counter() - self.t0
+            head = data[:end].lower()
+            self.status = int(head[9:12])
+            self.chunked = b"transfer-encoding: chunked" in head
+            if not self.chunked:
+                at = head.find(b"content-length:")
+                eol = head.find(b"\r\n", at)
+                self.remaining = int(head[at + 15 : eol if eol >= 0 else None]) if at >= 0 else 0
+            self.in_head = False
+            self.buf = b""
+            data = data[end + 4 :]
+            if not self.chunked and self.remaining == 0:
+                self.ttft = time.perf_counter() - self.t0
+                self._done()
+                return
+        if not data:
+            return
+        if not self.ttft:
+            self.ttft = time.perf_counter() - self.t0
+        if self.chunked:
+            self._chunked(data)
+        else:
+            self.remaining -= len(data)
+            if self.remaining <= 0:
+                self._done()
+
+    def _chunked(self, data: bytes) -> None:
+        buf = self.buf + data if self.buf else data
+        pos = 0
+        while True:
+            if self.skip:
+                n = min(self.skip, len(buf) - pos)
+                pos += n
+                self.skip -= n
+                if self.skip:
+                    break
+            nl = buf.find(b"\r\n", pos)
+            if nl < 0:
+                break
+            size = int(buf[pos:nl].split(b";", 1)[0], 16)
+            if size == 0:
+                if len(buf) < nl + 4:
+                    break  # the final CRLF is still to come
+                self.buf = b""
+                self._done()
+                return
+            pos = nl + 2
+            self.skip = size + 2
+        self.buf = buf[pos:]
+
+    def _done(self) -> None:
+        assert self.fut is not None
+        self.fut.set_result((self.status, self.ttft, self.tth))
+
+
+async def connect(port: int) -> Conn:
+    loop = asyncio.get_running_loop()
+    _, conn = await loop.create_connection(Conn, "127.0.0.1", port)
+    return conn
+
+
+async def reconnect(port: int) -> Conn:
+    while True:
+        try:
+            return await connect(port)
+        except OSError:
+            await asyncio.sleep(0.1)
+
+
+def post(port: int, path: str, body: dict[str, object]) -> bytes:
+    data = json.dumps(body).encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(data)}\r\n\r\n"
+    ).encode() + data
+
+
+def get(port: int, path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n".encode()
+
+
+@dataclass
+class Result:
+    ttfts: list[float]  # seconds, requests started in the measured window that got a 200
+    heads: list[float]  # seconds to the end of their response headers
+    ok: int
+    failed: int
+    rate: float  # 200s completed in the window per second
+    cpu: dict[str, float]
+    failures: dict[int, int]  # status (0: connection lost, -1: no answer) -> count
+
+
+async def closed_loop(
+    port: int, raw: bytes, concurrency: int, seconds: float, router_pid: int | None
+) -> Result:
+    """`concurrency` connections, each sending its next request as soon as the last one ends, for a
+    warm-up and then `seconds`; counts what started (TTFT) and what ended (rate) in the measured window."""
+    conns = await asyncio.gather(*(connect(port) for _ in range(concurrency)))
+    loop_start = time.perf_counter()
+    begin, end = loop_start + WARMUP_S, loop_start + WARMUP_S + seconds
+    ttfts: list[float] = []
+    heads: list[float] = []
+    counts = {"ok": 0, "failed": 0, "done_in_window": 0}
+    statuses: Counter[int] = Counter()
+    window: list[Window] = []
+
+    async def worker(conn: Conn) -> None:
+        while True:
+            now = time.perf_counter()
+            if now >= end:
+                return
+            if now >= begin and not window:
+                window.append(Window(router_pid))
+            measured = now >= begin
+            try:
+                status, ttft, tth = await conn.request(raw)
+            except Lost:
+                status, ttft, tth = 0, 0.0, 0.0
+                conn = await reconnect(port)
+            finished = time.perf_counter()
+            if measured:
+                if status == 200:
+                    counts["ok"] += 1
+                    ttfts.append(ttft)
+                    heads.append(tth)
+                else:
+                    counts["failed"] += 1
+                    statuses[status] += 1
+            if status == 200 and begin <= finished < end:
+                counts["done_in_window"] += 1
+
+    tasks = [asyncio.ensure_future(worker(c)) for c in conns]
+    await asyncio.sleep(WARMUP_S + seconds)
+    cpu = (window[0] if window else Window(router_pid)).close()
+    _, pending = await asyncio.wait(tasks, timeout=GRACE_S)
+    for task in pending:
+        task.cancel()
+    counts["failed"] += len(pending)
+    for conn in conns:
+        if conn.transport is not None:
+            conn.transport.close()
+    statuses[-1] += len(pending)  # still unanswered GRACE_S after the window
+    rate = counts["done_in_window"] / seconds
+    return Result(ttfts, heads, counts["ok"], counts["failed"], rate, cpu, dict(statuses))
+
+
+async def wait_up(port: int, path: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + path, timeout=1.0).status_code < 500:
+            conn = await connect(port)
+            status, _, _ = await asyncio.wait_for(conn.request(get(port, path)), 2.0)
+            if conn.transport is not None:
+                conn.transport.close()
+            if status == 200:
                 return
-        except httpx.HTTPError:
+        except (OSError, Lost, TimeoutError):
             pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"port {port} did not answer 200 on {path}")
 
 
-async def one(client: httpx.AsyncClient, url: str) -> float | None:
-    """TTFT in seconds; None for an answer other than 200."""
-    body = {"model": "stub", "prompt": "hi", "max_tokens": 16, "stream": True}
-    start = time.perf_counter()
-    ttft = None
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                return None
-            async for _ in response.aiter_raw():
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-    except httpx.HTTPError:
-        return None
-    return ttft
-
-
-async def load(url: str, concurrency: int, total: int) -> tuple[list[float], float, int]:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-        await asyncio.gather(*(one(client, url) for _ in range(min(concurrency, 16))))  # warm connections
-        queue = list(range(total))
-        ttfts: list[float] = []
-        failed = 0
-
-        async def worker() -> None:
-            nonlocal failed
-            while queue:
-                queue.pop()
-                ttft = await one(client, url)
-                if ttft is None:
-                    failed += 1
-                else:
-                    ttfts.append(ttft)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return ttfts, total / (time.perf_counter() - start), failed
+# --- the run --------------------------------------------------------------------------------------
 
 
 def pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] * 1000
+    """The q-th percentile in ms (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))] * 1000
+
+
+async def run(scale: float, tmp: Path) -> tuple[list[str], list[str]]:
+    stub_port, ours_port, sgl_port = free_port(), free_port(), free_port()
+    server = await serve(stub_port)
+    fleet = tmp / "fleet.toml"
+    fleet.write_text(
+        f'[[locations]]\ncode = "FRA"\nlat = 50.0\nlon = 8.5\n'
+        f'[[locations.nodes]]\nid = "stub"\nurl = "http://127.0.0.1:{stub_port}"\n'
+    )
+    ours = [sys.executable, "-m", "edgeinfer.cli", "router", "--fleet", str(fleet), "--location", "FRA"]
+    ours += ["--port", str(ours_port), "--stale-after-s", "5"]
+    sgl = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        f"http://127.0.0.1:{stub_port}",
+    ]
+    sgl += ["--port", str(sgl_port), "--policy", "round_robin", "--log-level", "warn"]
+    procs = {
+        "edgeinfer router": spawn(ours, ROUTER_CPU, tmp / "ours.log"),
+        "sglang-router": spawn(sgl, ROUTER_CPU, tmp / "sglang.log"),
+    }
+    try:
+        await wait_up(ours_port, "/ready")
+        await wait_up(sgl_port, "/health")
+        targets = {"direct": (stub_port, None)}
+        targets["edgeinfer router"] = (ours_port, procs["edgeinfer router"].pid)
+        targets["sglang-router"] = (sgl_port, procs["sglang-router"].pid)
+        stream_rows: list[str] = []
+        for concurrency, seconds in STREAM_LEVELS:
+            results = {}
+            for name, (port, pid) in targets.items():
+                body = {"model": "stub", "prompt": "hi", "max_tokens": CHUNKS, "stream": True}
+                results[name] = await closed_loop(
+                    port, post(port, "/v1/completions", body), concurrency, seconds * scale, pid
+                )
+            base = results["direct"].ttfts
+            for name, r in results.items():
+                added = (
+                    ""
+                    if name == "direct"
+                    else (
+                        f"{pct(r.ttfts, 50) - pct(base, 50):+.2f} / {pct(r.ttfts, 99) - pct(base, 99):+.2f}"
+                    )
+                )
+                stream_rows.append(
+                    f"| {name} | {concurrency} | {outcome(r)} | {pct(r.ttfts, 50):.2f} / "
+                    f"{pct(r.ttfts, 99):.2f} | {added} | {pct(r.heads, 50):.2f} | {r.rate:.0f} "
+                    f"| {cpu_cells(r, name)} |"
+                )
+        rate_rows: list[str] = []
+        for name, (port, pid) in targets.items():
+            body = {"model": "stub", "prompt": "hi", "max_tokens": 1, "stream": True}
+            r = await closed_loop(
+                port, post(port, "/v1/completions", body), RATE_CONCURRENCY, RATE_SECONDS * scale, pid
+            )
+            rate_rows.append(
+                f"| {name} | {RATE_CONCURRENCY} | {outcome(r)} | {r.rate:.0f} | "
+                f"{pct(r.ttfts, 50):.2f} / {pct(r.ttfts, 99):.2f} | {cpu_cells(r, name)} |"
+            )
+        return stream_rows, rate_rows
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(20)
+        server.close()
+
+
+def outcome(r: Result) -> str:
+    names = {0: "connection lost", -1: "unanswered"}
+    why = ", ".join(f"{n} × {names.get(code, code)}" for code, n in sorted(r.failures.items()) if n)
+    return f"{r.ok}/{r.failed}" + (f" ({why})" if why else "")
+
+
+def cpu_cells(r: Result, name: str) -> str:
+    router = "" if name == "direct" else f"{r.cpu['router_cpu']:.0f}"
+    return f"{router} | {r.cpu['load_cpu']:.0f} | {r.cpu['core0']:.0f} / {r.cpu['core1']:.0f}"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", default=None, help="replace this file's router-latency section")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply each window's length (quick runs)")
     args = parser.parse_args()
+    os.sched_setaffinity(0, {int(LOAD_CPU)})
     tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
-    stub_port, ours_port, sgl_port = free_port(), free_port(), free_port()
-    stub_url = f"http://127.0.0.1:{stub_port}"
-    fleet = tmp / "fleet.toml"
-    fleet.write_text(
-        f'[[locations]]\ncode = "FRA"\nlat = 50.0\nlon = 8.5\n'
-        f'[[locations.nodes]]\nid = "stub"\nurl = "{stub_url}"\n'
-    )
-    load_before = os.getloadavg()[0]
-    procs = [
-        spawn([sys.executable, str(ROOT / "bench/router_stub.py"), str(stub_port)], "1", tmp / "stub.log")
-    ]
+    load_before = os.getloadavg()
+    loop = new_event_loop()
     try:
-        wait_up(stub_url, "/health")
-        procs.append(
-            spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "edgeinfer.cli",
-                    "router",
-                    "--fleet",
-                    str(fleet),
-                    "--location",
-                    "FRA",
-                    "--port",
-                    str(ours_port),
-                    "--stale-after-s",
-                    "5",
-                ],
-                "0",
-                tmp / "ours.log",
-            )
-        )
-        procs.append(
-            spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "sglang_router.launch_router",
-                    "--worker-urls",
-                    stub_url,
-                    "--port",
-                    str(sgl_port),
-                    "--policy",
-                    "round_robin",
-                    "--log-level",
-                    "warn",
-                ],
-                "0",
-                tmp / "sglang.log",
-            )
-        )
-        wait_up(f"http://127.0.0.1:{ours_port}", "/ready")
-        wait_up(f"http://127.0.0.1:{sgl_port}", "/health")
-        targets = {
-            "direct": stub_url,
-            "edgeinfer router": f"http://127.0.0.1:{ours_port}",
-            "sglang-router": f"http://127.0.0.1:{sgl_port}",
-        }
-        rows = []
-        for concurrency, total in LEVELS:
-            results = {name: asyncio.run(load(url, concurrency, total)) for name, url in targets.items()}
-            base = results["direct"][0]
-            for name, (ttfts, rate, failed) in results.items():
-                added = (
-                    ""
-                    if name == "direct"
-                    else (f"{pct(ttfts, 50) - pct(base, 50):+.2f} / {pct(ttfts, 99) - pct(base, 99):+.2f}")
-                )
-                rows.append(
-                    f"| {name} | {concurrency} | {total - failed}/{failed} | {pct(ttfts, 50):.2f} / "
-                    f"{pct(ttfts, 99):.2f} "
-                    f"| {added} | {rate:.0f} |"
-                )
+        stream_rows, rate_rows = loop.run_until_complete(run(args.scale, tmp))
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(20)
-    report = render(rows, load_before, os.getloadavg()[0])
+        loop.close()
+    report = render(stream_rows, rate_rows, load_before, os.getloadavg(), args)
     print(report)
+    print(f"router logs: {tmp}", file=sys.stderr)
     if args.write:
         replace_section(Path(args.write), SECTION, report)
     return 0
 
 
-def render(rows: list[str], load_before: float, load_after: float) -> str:
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def render(
+    stream_rows: list[str],
+    rate_rows: list[str],
+    load_before: tuple[float, float, float],
+    load_after: tuple[float, float, float],
+    args: argparse.Namespace,
+) -> str:
+    info = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
+        (ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), platform.processor()
     )
-    sgl = subprocess.run(
-        [sys.executable, "-m", "pip", "show", "sglang-router"], capture_output=True, text=True
-    )
-    version = next((line.split()[1] for line in sgl.stdout.splitlines() if line.startswith("Version")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info if ln.startswith("flags")), [])
+    simd = " ".join(f for f in ("sse4_2", "avx2", "avx512f", "avx512_vnni", "amx_tile") if f in flags)
+    mhz = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("cpu MHz")), "?")
+    command = "python bench/router_latency.py" + (f" --write {args.write}" if args.write else "")
+    if args.scale != 1.0:
+        command += f" --scale {args.scale}"
+
+    def load(avg: tuple[float, float, float]) -> str:
+        return " / ".join(f"{v:.2f}" for v in avg)
+
     return "\n".join(
         [
             "### Router: added latency (edgeinfer router vs sglang-router)",
             "",
-            f"Machine: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}; 1-min load "
-            f"average {load_before:.1f} before, {load_after:.1f} after (other work shares this machine: "
-            "compare rows, not runs). Both routers pinned to CPU 0 (`taskset -c 0`), the stub node to CPU 1; "
-            "the load generator (httpx) is not pinned. Stub: streams 16 SSE chunks, the first at once, then "
-            f"one per 10 ms. sglang-router {version} (`--policy round_robin`); edgeinfer router polling the "
-            "stub's /node/status, `--stale-after-s 5`. TTFT = request sent to first body byte; added = "
-            "through the router minus direct, same concurrency.",
-            "Command: `python bench/router_latency.py --write docs/benchmarks.md`",
+            f"Machine: {cpu} ({mhz} MHz, flags incl. {simd or 'none of sse4_2/avx2/avx512f'}), "
+            f"{os.cpu_count()} CPUs, Linux {platform.release()}, Python {platform.python_version()}, "
+            f"uvloop {_version('uvloop')}, httptools {_version('httptools')}, sglang-router "
+            f"{_version('sglang-router')}. Load average (1 / 5 / 15 min) {load(load_before)} before, "
+            f"{load(load_after)} after.",
             "",
-            "| target | concurrency | ok/failed | TTFT p50 / p99 ms | added p50 / p99 ms | requests/s |",
-            "|---|---|---|---|---|---|",
-            *rows,
+            f"Each router pinned to CPU {ROUTER_CPU} (`taskset -c {ROUTER_CPU}`): sglang-router "
+            "`--policy round_robin`, the edgeinfer router polling the stub's /node/status with "
+            "`--stale-after-s 5`. The stub node (bench/router_stub.py) and the load generator share one "
+            f"process and one uvloop event loop pinned to CPU {LOAD_CPU}, on raw asyncio protocols "
+            "(keep-alive HTTP/1.1, no HTTP library). Closed loop: each of N connections sends its next "
+            f"request when the last one ends; {WARMUP_S:g} s warm-up, then a measured window "
+            f"({', '.join(f'{s * args.scale:g} s at {c}' for c, s in STREAM_LEVELS)}; "
+            f"{RATE_SECONDS * args.scale:g} s for requests/s). Stub stream: {CHUNKS} SSE chunks, the first "
+            f"at once, then one per {INTERVAL_S * 1000:g} ms. TTFT = request written to first body byte "
+            "read; headers = request written to the end of the response headers; added = TTFT through the "
+            "router minus direct at the same concurrency. CPU columns: % of one "
+            "core over the window, for the router process, for the stub + load process, and for each whole "
+            "core (anything else running shows there).",
+            f"Command: `{command}`",
+            "",
+            "| target | streams | ok/failed | TTFT p50 / p99 ms | added p50 / p99 ms | headers p50 ms "
+            "| requests/s | router CPU % | stub+load CPU % | core 0 / 1 busy % |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            *stream_rows,
+            "",
+            "Routed requests/s on one core: the same closed loop with one-chunk streams (`max_tokens: 1`, "
+            "the stub answers in one write), latency = request written to first body byte.",
+            "",
+            "| target | connections | ok/failed | requests/s | latency p50 / p99 ms | router CPU % "
+            "| stub+load CPU % | core 0 / 1 busy % |",
+            "|---|---|---|---|---|---|---|---|",
+            *rate_rows,
         ]
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -27,6 +28,11 @@ from edgeinfer.router.sources import NatsSource, PollSource
 from edgeinfer.router.state import FleetState
 
 logger = logging.getLogger("edgeinfer.router")
+# Forwards go through this many independent connection pools, in turn (same limits in total): httpcore's
+# pool walks all its connections (and, for each idle one, all of them again) on every request and every
+# response, so one pool of N connections costs O(N^2) per request; at 256 streams on one core that took
+# the router from ~420 to ~30 requests/s (docs/benchmarks.md, router-latency).
+POOL_SHARDS = 64
 
 
 def create_router_app(config: RouterConfig, fleet: Fleet) -> FastAPI:
@@ -44,15 +50,22 @@ def create_router_app(config: RouterConfig, fleet: Fleet) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         timeout = httpx.Timeout(config.idle_timeout_s, connect=config.connect_timeout_s)
-        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        limits = httpx.Limits(
+            max_connections=4096 // POOL_SHARDS, max_keepalive_connections=512 // POOL_SHARDS
+        )
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [
+                await stack.enter_async_context(httpx.AsyncClient(timeout=timeout, limits=limits))
+                for _ in range(POOL_SHARDS)
+            ]
+            client = clients[0]  # status polls and placement requests
             source = NatsSource(config.nats_url, state) if config.nats_url else PollSource(state, client)
             placement = None
             if config.placement is not None and config.router_secret is not None:
                 placement = PlacementLoop(
                     state, client, config.router_secret, config.placement, config.policy
                 )
-            forwarder = Forwarder(config, state, client, metrics)
+            forwarder = Forwarder(config, state, clients, metrics)
             app.state.service = RouterService(config, tenants, state, forwarder, metrics, placement)
             await source.start()
             if placement is not None:

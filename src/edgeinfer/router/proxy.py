@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -70,11 +71,15 @@ class NodeAnswer(Exception):
 
 class Forwarder:
     def __init__(
-        self, config: RouterConfig, state: FleetState, client: httpx.AsyncClient, metrics: RouterMetrics
+        self,
+        config: RouterConfig,
+        state: FleetState,
+        clients: Sequence[httpx.AsyncClient],
+        metrics: RouterMetrics,
     ) -> None:
         self.config = config
         self.state = state
-        self.client = client
+        self._clients = itertools.cycle(clients)  # one pool per attempt, in turn (app.POOL_SHARDS)
         self.metrics = metrics
 
     async def forward(self, request: Request, job: Forward, ranked: Sequence[Candidate]) -> Response:
@@ -115,12 +120,11 @@ class Forwarder:
         entry = view.entry
         await self._emulate_one_way(job, job.client_location, entry.location)
         remaining = job.started + self.config.first_byte_timeout_s - time.monotonic()
-        request = self.client.build_request(
-            "POST", entry.url + job.path, content=job.body, headers=job.headers
-        )
+        client = next(self._clients)
+        request = client.build_request("POST", entry.url + job.path, content=job.body, headers=job.headers)
         sent = time.monotonic()
         async with asyncio.timeout(max(0.0, remaining)):
-            response = await self.client.send(request, stream=True)
+            response = await client.send(request, stream=True)
         node_s = time.monotonic() - sent
         headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
         if response.status_code == 429 or response.status_code >= 500:

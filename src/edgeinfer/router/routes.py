@@ -26,10 +26,11 @@ _bearer = HTTPBearer(auto_error=False, description="API key from the fleet's ten
 _STARTED = int(time.time())
 
 
-def router_tenant(
+async def router_tenant(
     request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Tenant:
-    """Before the body is validated, as on the node: a wrong key is a 401 whatever the body holds."""
+    """Before the body is validated, as on the node: a wrong key is a 401 whatever the body holds.
+    `async` so that FastAPI runs it on the event loop, not in its thread pool (a thread hop per request)."""
     return request.app.state.service.tenants.authenticate(request.headers.get("authorization"))
 
 
