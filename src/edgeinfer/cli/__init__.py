@@ -76,4 +76,3 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"edgeinfer {args.command}: error: {e}", file=sys.stderr)
         return 2
-
