@@ -1,15 +1,20 @@
 """Calibrate the fleet simulator against the real loopback fleet: predicted vs measured TTFT and E2E.
 
-1. A tiny Llama checkpoint is written and profiled on this machine (bench/fleet_profile.py, one thread,
-   process CPU time; `--wall-clock-profile` times it by the wall clock instead, contention included).
+1. A tiny Llama checkpoint with a word-level vocabulary (every token is a word, so every token streams as
+   text and the client's first chunk is the first token) is written and profiled on this machine
+   (bench/fleet_profile.py, one thread, process CPU time; `--wall-clock-profile` times it by the wall clock
+   instead, contention included).
 2. `edgeinfer fleet up --locations 3 --emulate-rtt` starts NATS, a node and a router per location (FRA, AMS,
    LHR) with that model.
 3. For each load level the arrivals of `scenarios/loopback-3.toml` at that rate are drawn by the simulator's
    demand model and replayed against the fleet: each request goes to the router of its client's location
-   (`x-client-location`), streaming, with the drawn prompt (random words) and output length (`ignore_eos`).
-   Before the load levels, sequential requests on the idle fleet measure what serving adds to the engine's
-   times (HTTP, the router's proxying, tokenizing, SSE): the `served` profile is the engine profile plus
-   that per first token (prefill overhead) and per further token (step base).
+   (`x-client-location`), streaming, with the drawn prompt (random words) and output length (`ignore_eos`,
+   sampled at temperature 1 so that a random model does not settle on one token).
+   Before the load levels, sequential requests on the idle fleet, to a node directly and through its
+   router, measure what serving adds to the engine's times: per request on the node (HTTP, tokenizing, the
+   first event; `request_overhead_ms`, on the node's clock), per token and stream (detokenizing, an SSE event
+   relayed by the router; `step_per_seq_ms`, so it grows with the batch as it does on the node), and the
+   router's hop (`network.router_ms`, latency only). The `served` profile is the engine profile plus these.
 4. The simulator replays the same arrivals, with the prompt lengths the nodes reported, through the same
    scenario with the served and with the engine-only profile; predicted and measured p50/p99 go to
    docs/fleet.md.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -35,6 +41,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from edgeinfer.bench.client import RequestSpec, build_payload, send_request
 from edgeinfer.fleet.sim_demand import Arrivals, generate
@@ -49,12 +57,26 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).parent))
 from docs_table import replace_section  # noqa: E402
 from fleet_profile import measure  # noqa: E402
-from helpers.tiny_models import CORPUS, make_tiny  # noqa: E402
+from helpers.tiny_models import make_tiny  # noqa: E402
 
 MODEL = "tiny"
-WORDS = sorted({w for line in CORPUS for w in re.findall(r"[a-z]+", line.lower())})
+WORDS = [f"w{i}" for i in range(2000)]
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 NODE_ARGS = ["--threads", "1", "--max-num-seqs", "16", "--kv-cache-memory", "64MiB"]
 NODE_ARGS += ["--memory-budget", "256MiB"]
+
+
+def word_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    """One token per word of WORDS: a prompt of n words is n tokens, and each generated token is a word
+    (a byte-level vocabulary would stream partial UTF-8 as nothing, moving the measured first token later)."""
+    vocab = {token: i for i, token in enumerate([*SPECIALS, *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.save_pretrained(path)
+    return fast
 
 
 def scenario_for(profile_path: Path, rate: float, duration_s: float):
@@ -79,7 +101,7 @@ def scenario_for(profile_path: Path, rate: float, duration_s: float):
 
 
 class LoopbackFleet:
-    """`edgeinfer fleet up` as a child process; `urls` maps location code -> router URL."""
+    """`edgeinfer fleet up` as a child process; `urls` / `nodes` map location code -> router / node URL."""
 
     def __init__(self, model_dir: Path, workdir: Path) -> None:
         cmd = [sys.executable, "-m", "edgeinfer.cli", "fleet", "up", "--locations", "3", "--emulate-rtt"]
@@ -87,18 +109,24 @@ class LoopbackFleet:
         cmd += [f"--node-arg={a}" for a in NODE_ARGS]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.urls: dict[str, str] = {}
+        self.nodes: dict[str, str] = {}
         try:
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
+        self.pids = _descendants(self.proc.pid)
+
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the fleet's processes (NATS, nodes, routers) and this load generator."""
+        return time.process_time() + sum(_cpu_s(pid) for pid in self.pids)
 
     def _wait_ready(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            found = re.match(r"(\w{3})\s+router (\S+)", line)
+            found = re.match(r"(\w{3})\s+router (\S+)\s+node (\S+)", line)
             if found:
-                self.urls[found[1]] = found[2]
+                self.urls[found[1]], self.nodes[found[1]] = found[2], found[3]
             if line.startswith("fleet file and logs"):
                 return
         raise RuntimeError(f"fleet up exited with {self.proc.wait()} before it was ready")
@@ -113,6 +141,25 @@ class LoopbackFleet:
             self.proc.wait(10)
 
 
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "(comm)": state, ppid
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def scenario_rtt_s(profile_path: Path) -> float:
     """The RTT from the first site to itself (its last mile), as the simulator charges it."""
     sc = scenario_for(profile_path, 1.0, 1.0)
@@ -120,8 +167,12 @@ def scenario_rtt_s(profile_path: Path) -> float:
 
 
 def prompt_text(tokens: int, rng: random.Random) -> str:
-    """Random corpus words, about one token each: no two prompts share a cacheable prefix."""
+    """Random words, one token each: no two prompts share a cacheable prefix."""
     return " ".join(rng.choice(WORDS) for _ in range(max(1, tokens)))
+
+
+def payload_for(spec: RequestSpec, seed: int) -> dict:
+    return {**build_payload("/v1/completions", MODEL, spec), "temperature": 1.0, "seed": seed}
 
 
 async def replay(arrivals: Arrivals, codes: list[str], urls: dict[str, str], seed: int) -> list:
@@ -134,47 +185,60 @@ async def replay(arrivals: Arrivals, codes: list[str], urls: dict[str, str], see
             await asyncio.sleep(max(0.0, start + float(arrivals.time[i]) - time.perf_counter()))
             code = codes[int(arrivals.city[i])]
             spec = RequestSpec(prompt_text(int(arrivals.prompt[i]), rng), int(arrivals.output[i]), 0)
-            payload = build_payload("/v1/completions", MODEL, spec)
+            payload = payload_for(spec, i)
             url = urls[code] + "/v1/completions"
             return await send_request(client, url, payload, spec, {"x-client-location": code})
 
         return await asyncio.gather(*(one(i) for i in range(len(arrivals))))
 
 
-async def _probe(url: str, code: str, tokens: int, count: int) -> list:
+PROBE_PROMPT = 128
+
+
+PROBE_GAP_S = 0.5
+
+
+async def _probe(url: str, code: str, tokens: int, count: int) -> float:
+    """Median end-to-end seconds of `count` requests (after one warm-up) of PROBE_PROMPT tokens and `tokens`
+    output tokens, one at a time with PROBE_GAP_S between them: a request of the load levels finds its node
+    idle for a while (its threads asleep), not just done with the previous one, and pays for the wake-up."""
     rng = random.Random(0)
     async with httpx.AsyncClient(timeout=60.0) as client:
-        records = []
-        for _ in range(count):
-            spec = RequestSpec(prompt_text(128, rng), tokens, 0)
-            payload = build_payload("/v1/completions", MODEL, spec)
+        times = []
+        for i in range(count + 1):
+            spec = RequestSpec(prompt_text(PROBE_PROMPT, rng), tokens, 0)
             headers = {"x-client-location": code}
-            records.append(await send_request(client, url + "/v1/completions", payload, spec, headers))
-        return [r for r in records if r.ok]
+            record = await send_request(client, url + "/v1/completions", payload_for(spec, i), spec, headers)
+            if not record.ok:
+                raise RuntimeError(f"probe request failed: {record.error}")
+            times.append(record.e2e)
+            await asyncio.sleep(PROBE_GAP_S)
+        return float(np.median(times[1:]))
 
 
-def served_profile(fleet: LoopbackFleet, profile: dict, rtt_s: float, count: int = 8) -> dict:
-    """The engine profile plus what serving adds on an idle fleet (HTTP, router, tokenizer, SSE): the
-    median extra time to the first token joins the prefill overhead, the median extra per further token
-    the decode step's base. Measured by sequential requests, before and apart from the load levels."""
+def served_profile(fleet: LoopbackFleet, profile: dict, rtt_s: float, count: int = 20) -> dict:
+    """The engine profile plus what serving adds on an idle fleet, from sequential one-token and 65-token
+    requests to a node directly and through its router (before and apart from the load levels):
+    the node's extra time for a one-token request is a per-request cost on the node's clock, the router's
+    extra time over the node's (less the emulated RTT) its hop, and the routed stream's extra time per further
+    token a per-stream cost of every decode step."""
     code = SITES[0][0]
     entry = profile["models"][f"{MODEL}-fp32"]
     engine = parse_profile(profile).model(f"{MODEL}-fp32")
-    short = asyncio.run(_probe(fleet.urls[code], code, 1, count))
-    long = asyncio.run(_probe(fleet.urls[code], code, 65, count))
-    first = [r.ttft - rtt_s - engine.prefill_s(r.prompt_tokens) for r in short]
-    per_token = [(r.e2e - r.ttft) / 64 - engine.step_s(1, r.prompt_tokens + 32) for r in long]
-    extra_first, extra_token = float(np.median(first)), float(np.median(per_token))
+    node_one = asyncio.run(_probe(fleet.nodes[code], code, 1, count))
+    routed_one = asyncio.run(_probe(fleet.urls[code], code, 1, count))
+    routed_long = asyncio.run(_probe(fleet.urls[code], code, 65, count))
+    request_s = node_one - engine.prefill_s(PROBE_PROMPT)
+    router_s = routed_one - node_one - rtt_s
+    token_s = (routed_long - routed_one) / 64 - engine.step_s(1, PROBE_PROMPT + 32)
+    serving = {name: round(1000 * max(0.0, float(v)), 3) for name, v in
+               (("request_ms", request_s), ("router_ms", router_s), ("per_token_ms", token_s))}  # fmt: skip
     served = {
         **entry,
-        "prefill_overhead_ms": round(entry["prefill_overhead_ms"] + 1000 * max(0.0, extra_first), 3),
-        "step_base_ms": round(entry["step_base_ms"] + 1000 * max(0.0, extra_token), 3),
+        "request_overhead_ms": serving["request_ms"],
+        "step_per_seq_ms": round(entry["step_per_seq_ms"] + serving["per_token_ms"], 3),
     }
-    return {
-        **profile,
-        "models": {f"{MODEL}-fp32": served},
-        "serving_ms": (1000 * extra_first, 1000 * extra_token),
-    }
+    return {**profile, "models": {f"{MODEL}-fp32": served}, "serving": serving}
 
 
 def measured_arrivals(arrivals: Arrivals, records: list) -> tuple[Arrivals, np.ndarray]:
@@ -200,8 +264,9 @@ def one_level(
     locations = build_locations(sc)
     arrivals = generate(sc, locations, np.random.default_rng(seed))
     codes = [loc.code for loc in locations]
-    load_before = os.getloadavg()[0]
+    load_before, cpu_before, started = os.getloadavg()[0], fleet.cpu_s(), time.perf_counter()
     records = asyncio.run(replay(arrivals, codes, fleet.urls, seed))
+    cores = (fleet.cpu_s() - cpu_before) / (time.perf_counter() - started)
     load_after = os.getloadavg()[0]
     replayed, ok = measured_arrivals(arrivals, records)
     row = {"rate": rate, "seed": seed, "requests": len(arrivals), "failed": int((~ok).sum())}
@@ -215,6 +280,9 @@ def one_level(
             row[f"{name}_p{q}_measured"] = pct(real_values, q)
     for label, path in profiles.items():
         sc_label = replace(sc, base_dir=path.parent, nodes=replace(sc.nodes, profile=path.name))
+        if label == "served":
+            router_ms = json.loads(path.read_text())["serving"]["router_ms"]
+            sc_label = replace(sc_label, network=replace(sc.network, router_ms=router_ms))
         rec = run_policy(
             sc_label, load_profile(path), locations, replayed, "router", progress=False
         ).fleet.records
@@ -222,13 +290,14 @@ def one_level(
             for q in (50, 99):
                 row[f"{name}_p{q}_{label}"] = pct(sim[ok], q)
     row["load"] = (load_before, load_after)
+    row["cores"] = cores
     return row
 
 
 def table(rows: list[dict], profile: dict, served: dict, args: argparse.Namespace) -> str:
     entry = profile["models"][f"{MODEL}-fp32"]
     clock = profile["source"].split(", ", 1)[1]
-    first_ms, token_ms = served["serving_ms"]
+    serving = served["serving"]
     rates = " ".join(f"{r:g}" for r in args.rates)
     lines = [
         "### Calibration: loopback fleet vs simulator",
@@ -237,8 +306,9 @@ def table(rows: list[dict], profile: dict, served: dict, args: argparse.Namespac
         f"{entry['prefill_tok_s']:.0f} tok/s + {entry['prefill_overhead_ms']:.2f} ms, step "
         f"{entry['step_base_ms']:.3f} + {entry['step_per_seq_ms']:.3f} × batch + "
         f"{entry['step_per_kctx_ms']:.3f} × kctx ms. Serving on the idle fleet added "
-        f"{first_ms:.1f} ms to the first token and {token_ms:.2f} ms per further token "
-        "(the `served` profile adds them).",
+        f"{serving['request_ms']:.1f} ms a request on the node, {serving['per_token_ms']:.2f} ms a token "
+        f"and stream, and {serving['router_ms']:.1f} ms for the router's hop (the `served` profile adds "
+        "them).",
         f"Command: `.venv/bin/python bench/fleet_calibrate.py --rates {rates} "
         f"--duration-s {args.duration_s:g} --repeat {args.repeat} --write-docs`",
         "",
@@ -246,8 +316,8 @@ def table(rows: list[dict], profile: dict, served: dict, args: argparse.Namespac
         "predicts p50 TTFT / E2E with the engine-only profile.",
         "",
         "| req/s | run | requests | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | p50 error TTFT, E2E "
-        "| engine-only p50 TTFT / E2E | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| engine-only p50 TTFT / E2E | fleet CPU | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rows):
 
@@ -261,7 +331,7 @@ def table(rows: list[dict], profile: dict, served: dict, args: argparse.Namespac
             f"| {r['rate']:g} | {i % args.repeat + 1} | {r['requests']} ({r['failed']} failed) "
             f"| {pair('ttft_p50')} | {pair('ttft_p99')} | {pair('e2e_p50')} | {pair('e2e_p99')} "
             f"| {err('ttft_p50')}, {err('e2e_p50')} | {r['ttft_p50_engine']:.0f} / {r['e2e_p50_engine']:.0f} "
-            f"| {r['load'][0]:.1f} → {r['load'][1]:.1f} |"
+            f"| {r['cores']:.2f} of {os.cpu_count()} cores | {r['load'][0]:.1f} → {r['load'][1]:.1f} |"
         )
     return "\n".join(lines)
 
@@ -277,7 +347,9 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fleet-calibrate-") as tmp:
         work = Path(tmp)
-        model_dir = make_tiny("llama", work / "tiny", max_position_embeddings=4096)
+        model_dir = make_tiny(
+            "llama", work / "tiny", tokenizer_builder=word_tokenizer, max_position_embeddings=4096
+        )
         profile = measure(MODEL, str(model_dir), ["fp32"], wall=args.wall_clock_profile)
         profile_path = work / "profile.json"
         profile_path.write_text(json.dumps(profile))
@@ -289,7 +361,7 @@ def main() -> None:
             served_path = work / "served" / "profile.json"
             served_path.parent.mkdir()
             served_path.write_text(json.dumps(served))
-            print("serving adds (first token, per token) ms:", served["serving_ms"], flush=True)
+            print("serving adds (ms):", served["serving"], flush=True)
             profiles = {"served": served_path, "engine": profile_path}
             for rate in args.rates:
                 for rep in range(args.repeat):

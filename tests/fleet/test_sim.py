@@ -69,8 +69,9 @@ def test_queueing_delay_matches_md1(tmp_path):
     assert np.mean(wait < 1e-9) == pytest.approx(1 - rho, abs=0.03)
 
 
-def _fleet(tmp_path: Path, arrivals: Arrivals, **profile) -> Fleet:
+def _fleet(tmp_path: Path, arrivals: Arrivals, router_ms: float = 0.0, **profile) -> Fleet:
     raw = _one_location(tmp_path, 1.0, 100.0)
+    raw["network"]["router_ms"] = router_ms
     _profile(tmp_path / "p.json", **profile)
     raw["models"][0]["system_prompt_tokens"] = 0
     scenario = parse_scenario(raw, base_dir=tmp_path)
@@ -101,6 +102,18 @@ def test_continuous_batching_joins_at_step_boundaries(tmp_path):
     # steps, now of 25 ms (batch 3), and finish together at 113 ms.
     assert rec.e2e[:2] == pytest.approx([0.113, 0.113])
     assert rec.e2e[2] == pytest.approx(0.113 - 0.033)
+
+
+def test_serving_costs_per_request_on_the_node_and_the_router_hop_as_latency(tmp_path):
+    # Prefill: 10 ms a step + 4 ms per request + 1 ms per 100 tokens; the router's hop adds 3 ms.
+    profile = dict(prefill_tok_s=100_000.0, prefill_overhead_ms=10.0, request_overhead_ms=4.0)
+    arrivals = _arrivals([(0.0, 100, 1, 0, 0), (0.0, 100, 1, 0, 0), (1.0, 100, 1, 0, 0)])
+    rec = _fleet(tmp_path, arrivals, router_ms=3.0, **profile).records
+    # Both t=0 requests share one step that pays the per-request cost twice: 10 + 8 + 2 = 20 ms.
+    assert rec.ttft[:2] == pytest.approx([0.023, 0.023])
+    # Alone: 10 + 4 + 1 = 15 ms on the node, and the hop.
+    assert rec.ttft[2] == pytest.approx(0.018)
+    assert rec.e2e.tolist() == pytest.approx(rec.ttft.tolist())
 
 
 def test_prefix_cache_hit_on_second_turn(tmp_path):

@@ -26,7 +26,8 @@ from edgeinfer.router import policy as router_policy
 class Records:
     """Per-request outcomes, indexed like the arrivals. Times in seconds, as the client sees them."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, router_s: float = 0.0) -> None:
+        self.router_s = router_s
         self.ttft = np.full(n, np.nan)
         self.e2e = np.full(n, np.nan)
         self.node = np.full(n, -1, dtype=np.int64)
@@ -34,11 +35,11 @@ class Records:
         self.cached = np.zeros(n, dtype=np.int64)
 
     def first_token(self, req: SimRequest, now: float) -> None:
-        self.ttft[req.idx] = now - req.arrival + req.rtt_s
+        self.ttft[req.idx] = now - req.arrival + req.rtt_s + self.router_s
         self.cached[req.idx] = req.cached
 
     def finish(self, req: SimRequest, now: float) -> None:
-        self.e2e[req.idx] = now - req.arrival + req.rtt_s
+        self.e2e[req.idx] = now - req.arrival + req.rtt_s + self.router_s
 
 
 class Fleet:
@@ -54,7 +55,7 @@ class Fleet:
         self._index = {loc.code: i for i, loc in enumerate(locations)}
         k = min(scenario.report.candidate_locations, len(locations))
         self.nearest = np.argsort(self.rtt_s, axis=1, kind="stable")[:, :k].tolist()
-        self.records = Records(n_requests)
+        self.records = Records(n_requests, scenario.network.router_ms / 1000)
         self.counts = apportion(scenario, locations)
         self.board = Board(sum(self.counts), len(scenario.models))
         self.nodes: list[Node] = []

@@ -39,6 +39,7 @@ class NetworkModel:
 
     path_inflation: float = 2.0
     last_mile_ms: float = 5.0
+    router_ms: float = 0.0  # the router's own hop (proxying), added once to every request's TTFT and E2E
 
     def rtt_ms(self, a: Location, b: Location) -> float:
         km = great_circle_km(a.lat, a.lon, b.lat, b.lon)

@@ -234,9 +234,11 @@ class Node:
 
     def _prefill(self, admitted: list[tuple[ModelSlot, SimRequest]]):
         tokens: dict[int, int] = {}
+        requests: dict[int, int] = {}
         for slot, req in admitted:
             tokens[slot.model] = tokens.get(slot.model, 0) + req.prompt - req.cached
-        duration = sum(self.slots[m].profile.prefill_s(n) for m, n in tokens.items())
+            requests[slot.model] = requests.get(slot.model, 0) + 1
+        duration = sum(self.slots[m].profile.prefill_s(n, requests[m]) for m, n in tokens.items())
         yield self.env.timeout(duration)
         self.busy_s += duration
         now = self.env.now

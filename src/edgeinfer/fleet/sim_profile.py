@@ -23,9 +23,18 @@ class ModelProfile:
     weights_gb: float
     kv_tokens: int  # the KV budget of one resident copy, in tokens
     kv_gb: float
+    # What serving adds per request on the node's clock (HTTP, tokenizing, the first event), beside the
+    # engine's prefill; it queues like the prefill. Engine-only profiles leave it 0.
+    request_overhead_ms: float = 0.0
 
-    def prefill_s(self, tokens: int) -> float:
-        return (self.prefill_overhead_ms + 1000 * tokens / self.prefill_tok_s) / 1000
+    def prefill_s(self, tokens: int, requests: int = 1) -> float:
+        """One prefill step of `requests` requests with `tokens` tokens to compute between them."""
+        ms = (
+            self.prefill_overhead_ms
+            + self.request_overhead_ms * requests
+            + 1000 * tokens / self.prefill_tok_s
+        )
+        return ms / 1000
 
     def step_s(self, batch: int, total_context: float) -> float:
         ms = self.step_base_ms + self.step_per_seq_ms * batch + self.step_per_kctx_ms * total_context / 1000
