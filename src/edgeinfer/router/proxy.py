@@ -94,6 +94,7 @@ class Forwarder:
             if tried:
                 self.metrics.retries.inc()
             tried += 1
+            view.sent_since_status += 1
             try:
                 return await until_disconnect(request, self._attempt(view, job))
             except ClientDisconnected:

@@ -2,6 +2,11 @@
 
 Statuses come from a source (NATS or HTTP polling, sources.py); ages are measured on the router's
 monotonic clock from when a status *arrived*, so node clocks need not agree with the router's.
+
+Between two statuses (100 ms apart) a busy router forwards several requests, and every one of them would see
+the same snapshot and pick the same cheapest node. So the router counts what it has sent to each node since
+that node's last status and adds it to what the node said (into its free slots first, the rest as queued);
+the next status, which counts them itself, starts the count again.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class NodeView:
     breaker: CircuitBreaker
     status: NodeStatus | None = None
     received_at: float = float("-inf")
+    sent_since_status: int = 0  # requests this router forwarded after `status` arrived
 
 
 class FleetState:
@@ -48,6 +54,7 @@ class FleetState:
             return
         view.status = status
         view.received_at = self.clock()
+        view.sent_since_status = 0
 
     def snapshot(self) -> Snapshot:
         """The policy's view: nodes that reported at least once, located where the fleet file says."""
@@ -76,14 +83,15 @@ class FleetState:
 def _state(view: NodeView) -> NodeState:
     status = view.status
     assert status is not None
+    starting = min(view.sent_since_status, max(0, status.capacity - status.running))
     return NodeState(
         node_id=status.node_id,
         location=view.entry.location,
         models_available=frozenset(status.models_available),
         models_warm=frozenset(status.models_warm),
         models_loading=frozenset(status.models_loading),
-        queue_depth=status.queue_depth,
-        running=status.running,
+        queue_depth=status.queue_depth + view.sent_since_status - starting,
+        running=status.running + starting,
         kv_usage=status.kv_usage,
         capacity=status.capacity,
         ts=view.received_at,
