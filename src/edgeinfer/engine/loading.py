@@ -79,7 +79,7 @@ def load_model(
     if model is None:
         model = _load_fresh(ckpt, dtype, device, config)
         # a model left on torch's kernels because ours did not build here is not what the key stands for
-        if cache and (uses_cpu_gemv(model) or not _wants_cpu_gemv(config, device) or not _gemv_layers(model)):
+        if cache and (uses_cpu_gemv(model) or not _kernels_expected(model, config, device)):
             cache.save(key, model, skeleton())
     return model.eval().requires_grad_(False)
 
@@ -119,6 +119,18 @@ def _load_fresh(
 def _wants_cpu_gemv(config: EngineConfig, device: torch.device) -> bool:
     """Whether the load tries our kernels (which layers take them depends on the CPU's features)."""
     return device.type == "cpu" and config.cpu_gemv is not False
+
+
+def _kernels_expected(model: nn.Module, config: EngineConfig, device: torch.device) -> bool:
+    """Whether this CPU would run some layer of `model` on our kernels (the rule of `_use_cpu_gemv`). Not
+    expected (a CPU without AVX512-VNNI keeps int8 / int4 layers on torch's kernels) is as the cache key,
+    which holds the CPU's features, says; expected but not in use means the build failed."""
+    if not _wants_cpu_gemv(config, device):
+        return False
+    if config.cpu_gemv:
+        return True
+    quantized = bool(_gemv_layers(model)) and kernels.cpu_has_vnni()
+    return quantized or (kernels.cpu_has_avx2() and kernels.count_bf16_linears(model) > 0)
 
 
 def _gemv_layers(model: nn.Module) -> list[PreparedModule]:
