@@ -56,9 +56,9 @@ def test_cancelled_request_is_dropped(engine: AsyncEmbeddingEngine, embedder_fp3
 
 def test_inputs_the_model_cannot_embed(engine: AsyncEmbeddingEngine) -> None:
     for inputs, message in [
-        ([], "no inputs"),
-        ([[]], "empty"),
-        ([[101] * 300], "maximum is 256"),
+        ([], "send at least one input"),
+        ([[]], "empty list of token ids"),
+        ([[101] * 300], "maximum input length is 256"),
         ([[30522]], "vocabulary"),
     ]:
         with pytest.raises(EngineInputError, match=message):

@@ -14,7 +14,7 @@ from edgeinfer.types import EngineRequest, SamplingParams
 
 def test_prompt_longer_than_context(tiny_llama, engine_factory):
     eng = engine_factory(tiny_llama, max_model_len=64)
-    with pytest.raises(EngineInputError, match="context is 64"):
+    with pytest.raises(EngineInputError, match="maximum context length is 64 tokens"):
         eng.add_request(EngineRequest("long", list(range(3, 70)), SamplingParams()))
     (ok,) = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
     assert len(ok.token_ids) >= 1

@@ -29,6 +29,7 @@ from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, Sche
 from edgeinfer.engine.threads import use_threads
 from edgeinfer.engine.tokenizer import Tokenizer
 from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from edgeinfer.types.validation import check_prompt
 
 log = logging.getLogger(__name__)
 
@@ -160,20 +161,9 @@ class LLMEngine:
         """Raise EngineInputError if the request can never be served."""
         try:
             request.sampling.validate()
+            check_prompt(request.prompt_token_ids, self.model.args.vocab_size, self.layout.max_model_len)
         except ValueError as e:
             raise EngineInputError(str(e)) from None
-        vocab = self.model.args.vocab_size
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise EngineInputError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
-        n, ctx = len(request.prompt_token_ids), self.layout.max_model_len
-        if n == 0:
-            raise EngineInputError("the prompt is empty")
-        if n >= ctx:
-            raise EngineInputError(
-                f"the prompt has {n} tokens; this model's context is {ctx} tokens "
-                "including at least one generated token"
-            )
 
     def add_request(self, request: EngineRequest) -> str:
         self.validate(request)

@@ -18,6 +18,7 @@ from edgeinfer.node.config import NodeLimits
 from edgeinfer.node.errors import ApiError, bad_request
 from edgeinfer.node.schemas import EmbeddingRequest, WorkersAIRunRequest
 from edgeinfer.types import Usage
+from edgeinfer.types.validation import InvalidInput, check_embedding_inputs
 
 
 @dataclass
@@ -33,6 +34,7 @@ class EmbeddingJob:
     dimensions: int | None = None
     encoding_format: str = "float"
     reject_if_busy: bool = False
+    param: str = "input"  # the body field the inputs came in, named by error messages
 
 
 def openai_embedding_job(body: EmbeddingRequest, limits: NodeLimits) -> EmbeddingJob:
@@ -71,12 +73,13 @@ def workers_ai_embedding_job(model: str, body: WorkersAIRunRequest, limits: Node
         inputs=inputs,
         arrival=time.monotonic(),
         reject_if_busy=bool(body.options and body.options.reject_if_busy),
+        param="text",
     )
 
 
 def _check_inputs(inputs: list[str] | list[list[int]], limits: NodeLimits, param: str) -> None:
-    if not inputs:
-        raise bad_request(f"`{param}` is an empty list; send at least one input", param)
+    """The server's limit and empty texts; what the model can embed is checked on the token ids
+    (token_ids, with the engine's own check)."""
     if len(inputs) > limits.max_embedding_inputs:
         raise bad_request(
             f"`{param}` has {len(inputs)} items, above this server's limit of "
@@ -86,8 +89,6 @@ def _check_inputs(inputs: list[str] | list[list[int]], limits: NodeLimits, param
     for i, item in enumerate(inputs):
         if isinstance(item, str) and not item:
             raise bad_request(f"`{param}[{i}]` is an empty string; every input needs text", param)
-        if isinstance(item, list) and not item:
-            raise bad_request(f"`{param}[{i}]` is an empty list of token ids", param)
 
 
 def token_ids(
@@ -100,20 +101,12 @@ def token_ids(
     """Texts tokenized (truncated to `max_seq_length`); token-id inputs checked against the model."""
     texts = [x for x in job.inputs if isinstance(x, str)]
     if texts and len(texts) != len(job.inputs):
-        raise bad_request("`input` mixes strings and token ids", "input")
+        raise bad_request(f"`{job.param}` mixes strings and token ids", job.param)
     ids = tokenize(texts) if texts else [list(x) for x in job.inputs]  # type: ignore[arg-type]
-    for i, seq in enumerate(ids):
-        if len(seq) > max_seq_length:
-            raise bad_request(
-                f"input {i} has {len(seq)} tokens; this model's maximum input length is {max_seq_length} "
-                "tokens (texts are truncated to it; token ids must fit)",
-                "input",
-            )
-        bad = next((t for t in seq if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"input {i}: token id {bad} is outside the vocabulary [0, {vocab_size})", "input"
-            )
+    try:
+        check_embedding_inputs(ids, vocab_size, max_seq_length, job.param)
+    except InvalidInput as exc:
+        raise bad_request(str(exc), exc.param) from None
     total = sum(len(seq) for seq in ids)
     if total > limits.max_prompt_tokens:
         raise bad_request(

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from edgeinfer.node.errors import ApiError, bad_request, body_too_large, unprocessable
+from edgeinfer.types.validation import InvalidInput
 
 
 def install(app: FastAPI) -> None:
@@ -34,7 +35,10 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     else:
         where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        error = unprocessable(f"{where}: {first['msg']}{more}", param=where)
+        own = first.get("ctx", {}).get("error")
+        # Our own checks (types/validation.py) name the field in their message: it is given as it is.
+        message = str(own) if isinstance(own, InvalidInput) else f"{where}: {first['msg']}"
+        error = unprocessable(f"{message}{more}", param=where)
     return error.response(request.url.path)
 
 

@@ -23,6 +23,7 @@ from edgeinfer.structured.stream import THINK_OPEN, AnswerParser, Parts
 from edgeinfer.structured.tools import Tool
 from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob, Usage
 from edgeinfer.types.sampling import choice_seed
+from edgeinfer.types.validation import InvalidInput, check_prompt
 
 logger = logging.getLogger("edgeinfer.node")
 
@@ -61,6 +62,7 @@ class LocalBackend(Backend):
         reserve = 0
         tool_fields = self._tool_sampling(job)
         for p, (ids, text) in enumerate(prompts):
+            _check_prompt(ids, self._tokenizer.vocab_size, ctx)
             max_tokens = self._max_tokens(job, len(ids), ctx)
             echo_logprobs = job.logprobs if job.echo else None
             sampling = _replace(
@@ -124,27 +126,17 @@ class LocalBackend(Backend):
                 ids = tok.encode(prompt, add_special_tokens=True)
                 out.append((ids, prompt))
             else:
-                bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
-                if bad:
-                    raise bad_request(
-                        f"prompt token id {bad[0]} is outside the vocabulary [0, {tok.vocab_size})"
-                    )
+                _check_prompt(prompt, tok.vocab_size, None)  # before decoding ids outside the vocabulary
                 out.append((list(prompt), tok.decode(prompt, skip_special_tokens=False)))
         return out
 
     def _max_tokens(self, job: Job, prompt_len: int, ctx: int) -> int:
-        if prompt_len == 0:
-            raise bad_request("the prompt is empty", "prompt")
         if prompt_len > self._limits.max_prompt_tokens:
             raise bad_request(
                 f"the prompt has {prompt_len} tokens, above this server's limit of "
                 f"{self._limits.max_prompt_tokens}"
             )
         room = ctx - prompt_len
-        if room < 1:
-            raise bad_request(
-                f"this model's maximum context length is {ctx} tokens; the prompt has {prompt_len}"
-            )
         if job.max_tokens is None:
             return min(self._limits.max_tokens, room)
         if not job.max_tokens_explicit:
@@ -349,3 +341,12 @@ def _as_api_error(exc: BaseException) -> ApiError:
         return bad_request(str(exc))
     logger.error("engine failure", exc_info=exc)
     return internal("internal error in the engine; the server log has the details")
+
+
+def _check_prompt(ids: list[int], vocab_size: int, ctx: int | None) -> None:
+    """The engine's own prompt check (types/validation.py), here before the stream starts so that a bad
+    prompt gets a 400 rather than an error event; `ctx` None: the context is not checked yet."""
+    try:
+        check_prompt(ids, vocab_size, ctx if ctx is not None else len(ids) + 1)
+    except InvalidInput as exc:
+        raise bad_request(str(exc), exc.param) from None

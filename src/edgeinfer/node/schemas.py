@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from edgeinfer.types.sampling import MAX_SEED, MAX_TOP_K
+from edgeinfer.types.validation import SAMPLING_BOUNDS, InvalidInput
 
 
 def _integral(value: Any) -> Any:
@@ -30,8 +30,39 @@ _INTEGRAL = BeforeValidator(_integral)
 Int = Annotated[int, _INTEGRAL]
 Count = Annotated[int, Field(ge=1), _INTEGRAL]
 NonNegative = Annotated[int, Field(ge=0), _INTEGRAL]
-TopK = Annotated[int, Field(ge=-1, le=MAX_TOP_K), _INTEGRAL]
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED), _INTEGRAL]
+
+
+def _sampling_bound(name: str) -> Any:
+    """The bound of sampling field `name` (types/validation.py), in the schema as minimum / maximum and
+    checked with the message SamplingParams gives (a 422 here, before anything else reads the body)."""
+    bound = SAMPLING_BOUNDS[name]
+
+    def check(value: Any) -> Any:
+        if value is not None and not bound.admits(value):
+            raise InvalidInput(bound.message(name), name)
+        return value
+
+    return Field(json_schema_extra=bound.json_schema()), AfterValidator(check)
+
+
+def _bounded_float(name: str) -> Any:
+    return Annotated[float, *_sampling_bound(name)]
+
+
+def _bounded_int(name: str) -> Any:
+    return Annotated[int, *_sampling_bound(name), _INTEGRAL]
+
+
+MaxTokens = _bounded_int("max_tokens")
+TopK = _bounded_int("top_k")
+Seed = _bounded_int("seed")
+MinTokens = _bounded_int("min_tokens")
+Temperature = _bounded_float("temperature")
+TopP = _bounded_float("top_p")
+MinP = _bounded_float("min_p")
+RepetitionPenalty = _bounded_float("repetition_penalty")
+PresencePenalty = _bounded_float("presence_penalty")
+FrequencyPenalty = _bounded_float("frequency_penalty")
 
 
 class _Body(BaseModel):
@@ -78,21 +109,21 @@ class SamplingFields(_RequestBody):
     """Sampling fields shared by completions and chat, including vLLM/SGLang extras."""
 
     model: str
-    max_tokens: Count | None = None
-    temperature: float | None = Field(None, ge=0.0, le=10.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: TopK | None = None
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_p: MinP | None = None
     n: Count = 1
     best_of: Count | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] | None = None
     seed: Seed | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    presence_penalty: PresencePenalty | None = None
+    frequency_penalty: FrequencyPenalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool = False
-    min_tokens: NonNegative = 0
+    min_tokens: MinTokens = 0
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -173,13 +204,13 @@ class WorkersAIRunRequest(_RequestBody):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     raw: bool = False
     stream: bool = False
-    max_tokens: Count | None = None
-    temperature: float | None = Field(None, ge=0.0, le=10.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: TopK | None = None
     seed: Seed | None = None
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: RepetitionPenalty | None = None
+    frequency_penalty: FrequencyPenalty | None = None
+    presence_penalty: PresencePenalty | None = None
     response_format: dict[str, Any] | None = None
     options: RequestOptions | None = None

@@ -20,6 +20,7 @@ from edgeinfer.engine.embedding.config import EmbeddingConfig
 from edgeinfer.engine.embedding.embedder import Embedder
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.scheduler.embed_batcher import EmbedBatcher, EmbedItem
+from edgeinfer.types.validation import InvalidInput, check_embedding_inputs
 
 log = logging.getLogger(__name__)
 
@@ -80,21 +81,10 @@ class AsyncEmbeddingEngine:
 
     def validate(self, inputs: Sequence[Sequence[int]]) -> None:
         """EngineInputError for inputs the model can never embed."""
-        e = self.embedder
-        if not inputs:
-            raise EngineInputError("no inputs to embed")
-        for i, ids in enumerate(inputs):
-            if not ids:
-                raise EngineInputError(f"input {i} is empty")
-            if len(ids) > e.max_seq_length:
-                raise EngineInputError(
-                    f"input {i} has {len(ids)} tokens; this model's maximum is {e.max_seq_length}"
-                )
-            bad = next((t for t in ids if not 0 <= t < e.vocab_size), None)
-            if bad is not None:
-                raise EngineInputError(
-                    f"input {i}: token id {bad} is outside the vocabulary [0, {e.vocab_size})"
-                )
+        try:
+            check_embedding_inputs(inputs, self.embedder.vocab_size, self.embedder.max_seq_length)
+        except InvalidInput as e:
+            raise EngineInputError(str(e)) from None
 
     async def embed(self, request_id: str, inputs: Sequence[Sequence[int]]) -> EmbeddingResult:
         """Embed every input; cancelling the caller drops the inputs not yet embedded."""
