@@ -17,6 +17,7 @@ from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.loading import load_model
 from edgeinfer.engine.model.loader import open_checkpoint
+from edgeinfer.engine.quant import kernels
 from edgeinfer.engine.quant.layers import PreparedModule
 
 CPU = torch.device("cpu")
@@ -160,3 +161,17 @@ def test_real_default_model_cached_bf16_is_bit_identical(default_gguf, tmp_path,
     assert HIT in caplog.text
     ids = torch.tensor([2, 818, 5279, 529, 7001, 563, 236743, 100, 4000, 90000])
     assert torch.equal(logits(cached, ids), logits(fresh, ids))
+
+
+def test_a_failed_kernel_build_is_not_cached(tiny_models, tmp_path, monkeypatch):
+    # A model left on torch's kernels only because ours did not build is not what its key stands for
+    # (the next start, with the kernels working, must not load it); an invalid ISA cap fails the build.
+    path = tiny_models["gemma3"]
+    monkeypatch.setenv(kernels.ISA_ENV, "no-such-isa")
+    broken = load(path, tmp_path)
+    if not (kernels.cpu_has_avx2() and kernels.count_bf16_linears(broken)):
+        pytest.skip("our bf16 kernels need AVX2 (x86)")
+    assert entries(tmp_path) == []
+    monkeypatch.delenv(kernels.ISA_ENV)
+    load(path, tmp_path)
+    assert len(entries(tmp_path)) == 1
