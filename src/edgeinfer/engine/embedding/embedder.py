@@ -16,6 +16,7 @@ from edgeinfer.engine.model.encoders import build_encoder, is_encoder_config
 from edgeinfer.engine.model.loader import CheckpointError, open_checkpoint
 from edgeinfer.engine.model.loader.safetensors_checkpoint import SafetensorsCheckpoint
 from edgeinfer.engine.model.pooling import pool
+from edgeinfer.engine.quant import kernels
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class Embedder:
         self.path = ckpt.path
         self.sentence: SentenceConfig = read_sentence_config(ckpt.path, ckpt.config)
         self.tokenizer = load_encoder_tokenizer(ckpt.path, self.sentence.max_seq_length)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = encoder_dtype(config.dtype, self.device)
         with torch.device(self.device):
             model = build_encoder(ckpt.config, config.attention).to(self.dtype)
         model.load_weights(ckpt.iter_tensors(self.dtype))
@@ -94,3 +95,12 @@ def split_by_tokens(order: Sequence[int], lengths: Sequence[int], cap: int) -> l
         chunks[-1].append(i)
         tokens += lengths[i]
     return chunks
+
+
+def encoder_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 on a GPU or a CPU with bf16 matmuls in hardware, else fp32. An encoder is all
+    matmuls, and emulated bf16 is several times slower than fp32 (no memory-bound decode to win back,
+    unlike generation, whose bf16 GEMV kernels halve the bytes read on any AVX2 CPU)."""
+    if name == "auto" and device.type == "cpu" and not kernels.cpu_has_bf16_matmul():
+        return torch.float32
+    return resolve_dtype(name, device)

@@ -118,6 +118,12 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """AVX512-BF16 or AMX-BF16: bf16 matmuls in hardware. Without them (AVX2-only x86) oneDNN emulates
+    bf16, several times slower than fp32."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
 def cpu_has_vnni() -> bool:
     """AVX512-VNNI: the int8 / int4 kernels' fast variant."""
     return "avx512_vnni" in cpu_flags()
