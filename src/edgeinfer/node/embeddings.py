@@ -18,7 +18,7 @@ from edgeinfer.node.config import NodeLimits
 from edgeinfer.node.errors import ApiError, bad_request
 from edgeinfer.node.schemas import EmbeddingRequest, WorkersAIRunRequest
 from edgeinfer.types import Usage
-from edgeinfer.types.validation import InvalidInput, check_embedding_inputs
+from edgeinfer.types.validation import InvalidInput, check_embedding_inputs, check_some_inputs
 
 
 @dataclass
@@ -78,8 +78,12 @@ def workers_ai_embedding_job(model: str, body: WorkersAIRunRequest, limits: Node
 
 
 def _check_inputs(inputs: list[str] | list[list[int]], limits: NodeLimits, param: str) -> None:
-    """The server's limit and empty texts; what the model can embed is checked on the token ids
+    """Some inputs, the server's limit and empty texts; what the model can embed is checked on the token ids
     (token_ids, with the engine's own check)."""
+    try:
+        check_some_inputs(inputs, param)
+    except InvalidInput as exc:
+        raise bad_request(str(exc), exc.param) from None
     if len(inputs) > limits.max_embedding_inputs:
         raise bad_request(
             f"`{param}` has {len(inputs)} items, above this server's limit of "

@@ -96,13 +96,18 @@ def check_prompt(token_ids: Sequence[int], vocab_size: int, context_len: int) ->
         )
 
 
+def check_some_inputs(inputs: Sequence[object], param: str = "input") -> None:
+    """At least one input (checked on the body too, so that a router refuses it without a node)."""
+    if not inputs:
+        raise InvalidInput(f"`{param}` is an empty list; send at least one input", param)
+
+
 def check_embedding_inputs(
     inputs: Sequence[Sequence[int]], vocab_size: int, max_length: int, param: str = "input"
 ) -> None:
     """Token-id inputs an encoder can embed: at least one, none empty, each within its maximum length
     (texts are truncated to it, so only token ids given as such can exceed it) and its vocabulary."""
-    if not inputs:
-        raise InvalidInput(f"`{param}` is an empty list; send at least one input", param)
+    check_some_inputs(inputs, param)
     for i, ids in enumerate(inputs):
         if not ids:
             raise InvalidInput(f"`{param}[{i}]` is an empty list of token ids", param)
