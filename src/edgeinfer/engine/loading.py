@@ -122,15 +122,22 @@ def _wants_cpu_gemv(config: EngineConfig, device: torch.device) -> bool:
 
 
 def _kernels_expected(model: nn.Module, config: EngineConfig, device: torch.device) -> bool:
-    """Whether this CPU would run some layer of `model` on our kernels (the rule of `_use_cpu_gemv`). Not
-    expected (a CPU without AVX512-VNNI keeps int8 / int4 layers on torch's kernels) is as the cache key,
-    which holds the CPU's features, says; expected but not in use means the build failed."""
+    """Whether this CPU would run some layer of `model` on our kernels. Not expected (a CPU without
+    AVX512-VNNI keeps int8 / int4 layers on torch's kernels) is as the cache key, which holds the CPU's
+    features, says; expected but not in use means the build failed."""
     if not _wants_cpu_gemv(config, device):
         return False
-    if config.cpu_gemv:
-        return True
-    quantized = bool(_gemv_layers(model)) and kernels.cpu_has_vnni()
-    return quantized or (kernels.cpu_has_avx2() and kernels.count_bf16_linears(model) > 0)
+    layers, float_layers = _kernel_targets(model, bool(config.cpu_gemv))
+    return bool(config.cpu_gemv or layers or float_layers)
+
+
+def _kernel_targets(model: nn.Module, required: bool) -> tuple[list[PreparedModule], int]:
+    """The int8 / int4 layers our kernels take and the number of bf16 linear layers they would: asked for
+    (`required`), all of them; by default (auto) the int8 / int4 ones where the CPU has AVX512-VNNI and the
+    bf16 ones where it has AVX2 (below that the kernels would run as plain loops, slower than torch's)."""
+    layers = _gemv_layers(model) if required or kernels.cpu_has_vnni() else []
+    float_layers = kernels.count_bf16_linears(model) if required or kernels.cpu_has_avx2() else 0
+    return layers, float_layers
 
 
 def _gemv_layers(model: nn.Module) -> list[PreparedModule]:
@@ -189,15 +196,11 @@ def _kernels_ready(model: nn.Module, config: EngineConfig) -> bool:
 
 
 def _use_cpu_gemv(model: nn.Module, required: bool) -> None:
-    """Move the int8 / int4 layers and the bf16 linear layers onto our CPU kernels. Asked for
-    (`required`), a model without such layers or a failed build is an error. By default (auto) the
-    int8 / int4 layers switch where the CPU has AVX512-VNNI and bf16 ones where it has AVX2 (below that
-    the kernels would run as plain loops, slower than torch's); a failed build leaves torch's kernels
-    with a warning, and models with neither (fp32, fp8) never start the build."""
-    layers = _gemv_layers(model)
-    if not required:
-        layers = layers if kernels.cpu_has_vnni() else []
-    float_layers = kernels.count_bf16_linears(model) if required or kernels.cpu_has_avx2() else 0
+    """Move the int8 / int4 layers and the bf16 linear layers onto our CPU kernels (which ones:
+    `_kernel_targets`). Asked for (`required`), a model without such layers or a failed build is an error;
+    by default (auto) a failed build leaves torch's kernels with a warning, and models with neither (fp32,
+    fp8) never start the build."""
+    layers, float_layers = _kernel_targets(model, required)
     if not layers and not float_layers and not required:
         return
     try:
