@@ -193,8 +193,6 @@ async def replay(arrivals: Arrivals, codes: list[str], urls: dict[str, str], see
 
 
 PROBE_PROMPT = 128
-
-
 PROBE_GAP_S = 0.5
 
 

@@ -57,12 +57,11 @@ class LocalBackend(Backend):
         self.version = member.version
 
     def prepare(self, job: Job) -> int:
-        prompts = self._tokenize(job)
         ctx = self._member.max_model_len
+        prompts = self._tokenize(job, ctx)
         reserve = 0
         tool_fields = self._tool_sampling(job)
         for p, (ids, text) in enumerate(prompts):
-            _check_prompt(ids, self._tokenizer.vocab_size, ctx)
             max_tokens = self._max_tokens(job, len(ids), ctx)
             echo_logprobs = job.logprobs if job.echo else None
             sampling = _replace(
@@ -109,7 +108,8 @@ class LocalBackend(Backend):
         opened = tok.reasons and prompt.rstrip().endswith(THINK_OPEN)  # the template opened the block
         return AnswerParser(tok.tool_format if job.tools else None, tok.reasons, in_reasoning=opened)
 
-    def _tokenize(self, job: Job) -> list[tuple[list[int], str]]:
+    def _tokenize(self, job: Job, ctx: int) -> list[tuple[list[int], str]]:
+        """Each prompt's token ids and text, checked as the engine will check them (`ctx`: the context)."""
         tok = self._tokenizer
         if job.kind == CHAT:
             try:
@@ -119,14 +119,17 @@ class LocalBackend(Backend):
             except ValueError as exc:  # messages the template refuses (roles, order, emptiness)
                 raise bad_request(str(exc), "messages") from None
             # The chat template already holds the special tokens (BOS) the model expects.
-            return [(tok.encode(text, add_special_tokens=False), text)]
+            ids = tok.encode(text, add_special_tokens=False)
+            _check_prompt(ids, tok.vocab_size, ctx)
+            return [(ids, text)]
         out: list[tuple[list[int], str]] = []
         for prompt in job.prompts:
             if isinstance(prompt, str):
                 ids = tok.encode(prompt, add_special_tokens=True)
+                _check_prompt(ids, tok.vocab_size, ctx)
                 out.append((ids, prompt))
             else:
-                _check_prompt(prompt, tok.vocab_size, None)  # before decoding ids outside the vocabulary
+                _check_prompt(prompt, tok.vocab_size, ctx)  # before decoding ids outside the vocabulary
                 out.append((list(prompt), tok.decode(prompt, skip_special_tokens=False)))
         return out
 
@@ -343,10 +346,10 @@ def _as_api_error(exc: BaseException) -> ApiError:
     return internal("internal error in the engine; the server log has the details")
 
 
-def _check_prompt(ids: list[int], vocab_size: int, ctx: int | None) -> None:
+def _check_prompt(ids: list[int], vocab_size: int, ctx: int) -> None:
     """The engine's own prompt check (types/validation.py), here before the stream starts so that a bad
-    prompt gets a 400 rather than an error event; `ctx` None: the context is not checked yet."""
+    prompt gets a 400 rather than an error event."""
     try:
-        check_prompt(ids, vocab_size, ctx if ctx is not None else len(ids) + 1)
+        check_prompt(ids, vocab_size, ctx)
     except InvalidInput as exc:
         raise bad_request(str(exc), exc.param) from None
