@@ -12,6 +12,7 @@ from helpers.embeddings import varied_texts
 from edgeinfer.engine.embedding.config import EmbeddingConfig
 from edgeinfer.engine.embedding.embedder import Embedder, split_by_tokens
 from edgeinfer.engine.model import bert
+from edgeinfer.engine.quant import kernels
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +55,58 @@ def test_masked_attention_equals_grouped(
     minilm: Path, embedder_fp32: Embedder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(bert, "MASK_CHUNK_TOKENS", 300)  # several chunks, and a 256-token one alone
-    masked = Embedder(EmbeddingConfig(model=str(minilm), dtype="float32", attention="masked"))
+    masked, grouped = (
+        Embedder(EmbeddingConfig(model=str(minilm), dtype="float32", attention=mode))
+        for mode in ("masked", "grouped")
+    )
     ids = embedder_fp32.tokenize(varied_texts()[-25:])
     assert len(bert.block_diagonal_chunks(sorted(map(len, ids)), torch.device("cpu"))) >= 3
-    torch.testing.assert_close(masked.embed(ids), embedder_fp32.embed(ids), atol=2e-6, rtol=0)
+    torch.testing.assert_close(masked.embed(ids), grouped.embed(ids), atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_attention_equals_grouped(minilm: Path, dtype: str) -> None:
+    try:
+        kernels.load()
+    except kernels.KernelBuildError as e:
+        pytest.skip(f"the CPU kernels cannot be built here: {e}")
+    packed, grouped = (
+        Embedder(EmbeddingConfig(model=str(minilm), dtype=dtype, attention=mode))
+        for mode in ("packed", "grouped")
+    )
+    assert (packed.attention, grouped.attention) == ("packed", "grouped")
+    ids = packed.tokenize(varied_texts())
+    a, b = packed.embed(ids), grouped.embed(ids)
+    if dtype == "float32":
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    else:  # bf16 activations between the layers: both round, in different places
+        assert F.cosine_similarity(a, b).min().item() >= 0.999
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocked_weights_equal_plain_linears(minilm: Path, dtype: str) -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    blocked, plain = (
+        Embedder(EmbeddingConfig(model=str(minilm), dtype=dtype, blocked_weights=on)) for on in (True, False)
+    )
+    assert blocked.model.layers[0].up.blocked is not None and plain.model.layers[0].up.blocked is None
+    assert blocked.memory_bytes() > plain.memory_bytes()  # the copies are counted against the pool
+    ids = blocked.tokenize(varied_texts())
+    a, b = blocked.embed(ids), plain.embed(ids)
+    if dtype == "float32":
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    else:  # the fused GELU reads the fp32 sum, the plain one its bf16 rounding
+        assert F.cosine_similarity(a, b).min().item() >= 0.999
+
+
+def test_auto_attention_is_packed_where_the_kernel_vectorises(embedder_fp32: Embedder) -> None:
+    try:
+        kernels.load()
+        vectorised = torch.ops.edgeinfer_cpu.isa() != "scalar"
+    except kernels.KernelBuildError:
+        vectorised = False
+    assert embedder_fp32.attention == ("packed" if vectorised else "grouped")  # MiniLM: head dim 32
 
 
 def test_passes_capped_by_tokens_equal_one_pass(minilm: Path, embedder_fp32: Embedder) -> None:

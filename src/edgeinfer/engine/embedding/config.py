@@ -14,8 +14,9 @@ class EmbeddingConfig:
 
     `max_batch_tokens` / `max_batch_size`: one forward pass packs inputs (of any requests) up to these.
     `batch_window_ms`: inputs that arrive within this window of the oldest waiting one share a forward
-    pass; a full batch goes at once. `attention`: `grouped` (one attention call per run of equal-length
-    sequences) or `masked` (one block-diagonal call; see bench/embeddings.py for why grouped is default).
+    pass; a full batch goes at once. `attention`: `auto`, `packed`, `grouped` or `masked`
+    (model/bert.py `choose_attention`; bench/embeddings.py measures them). `blocked_weights`: on the
+    CPU, the linear layers also keep their weights in oneDNN's blocked layout (model/bert.py `Linear`).
     """
 
     model: str
@@ -25,7 +26,8 @@ class EmbeddingConfig:
     max_batch_size: int = 512
     max_pass_tokens: int = 2048
     batch_window_ms: float = 2.0
-    attention: str = "grouped"
+    attention: str = "auto"
+    blocked_weights: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_batch_tokens, self.max_batch_size, self.max_pass_tokens) < 1:

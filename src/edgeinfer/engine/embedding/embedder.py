@@ -11,7 +11,7 @@ from edgeinfer.engine.embedding.config import EmbeddingConfig
 from edgeinfer.engine.embedding.encoder_tokenizer import load_encoder_tokenizer
 from edgeinfer.engine.embedding.sentence_config import SentenceConfig, read_sentence_config
 from edgeinfer.engine.loading import resolve_dtype
-from edgeinfer.engine.model.bert import PackedBatch
+from edgeinfer.engine.model.bert import BLOCKED_ROW_MULTIPLE, PackedBatch, choose_attention
 from edgeinfer.engine.model.encoders import build_encoder, is_encoder_config
 from edgeinfer.engine.model.loader import CheckpointError, open_checkpoint
 from edgeinfer.engine.model.loader.safetensors_checkpoint import SafetensorsCheckpoint
@@ -36,17 +36,23 @@ class Embedder:
         self.sentence: SentenceConfig = read_sentence_config(ckpt.path, ckpt.config)
         self.tokenizer = load_encoder_tokenizer(ckpt.path, self.sentence.max_seq_length)
         self.dtype = encoder_dtype(config.dtype, self.device)
+        head_dim = ckpt.config["hidden_size"] // ckpt.config["num_attention_heads"]
+        self.attention = choose_attention(config.attention, self.device, head_dim)
         with torch.device(self.device):
-            model = build_encoder(ckpt.config, config.attention).to(self.dtype)
+            model = build_encoder(ckpt.config, self.attention).to(self.dtype)
         model.load_weights(ckpt.iter_tensors(self.dtype))
         self.model = model.eval().requires_grad_(False)
+        self.blocked_bytes = 0
+        if config.blocked_weights and self.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            self.blocked_bytes = model.block_weights(config.max_pass_tokens)
         self.dim: int = model.args.hidden_size
         self.vocab_size: int = model.args.vocab_size
         self.max_seq_length: int = self.sentence.max_seq_length
         log.info(
-            "embedding model ready: %s, %s, dim %d, %s pooling%s, max %d tokens",
+            "embedding model ready: %s, %s, %s attention, dim %d, %s pooling%s, max %d tokens",
             config.model,
             self.dtype,
+            self.attention,
             self.dim,
             self.sentence.pooling,
             " + normalize" if self.sentence.normalize else "",
@@ -76,12 +82,15 @@ class Embedder:
         return out.cpu()
 
     def _embed_sorted(self, sorted_inputs: list[Sequence[int]]) -> torch.Tensor:
-        batch = PackedBatch.build(sorted_inputs, self.device)
-        hidden = self.model(batch)
-        return pool(hidden, batch.lengths, self.sentence.pooling, self.sentence.normalize)
+        rows = BLOCKED_ROW_MULTIPLE if self.blocked_bytes else 1
+        batch = PackedBatch.build(sorted_inputs, self.device, rows)
+        hidden = self.model(batch)[: batch.tokens]
+        lengths = batch.lengths[: batch.sequences]
+        return pool(hidden, lengths, self.sentence.pooling, self.sentence.normalize)
 
     def memory_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return params + self.blocked_bytes
 
 
 def split_by_tokens(order: Sequence[int], lengths: Sequence[int], cap: int) -> list[list[int]]:

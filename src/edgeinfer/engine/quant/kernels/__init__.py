@@ -34,7 +34,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE_NAMES = ("isa.cpp", "cpu_gemv.cpp", "bf16_gemv.cpp", "decode_ops.cpp")
+_SOURCE_NAMES = ("isa.cpp", "cpu_gemv.cpp", "bf16_gemv.cpp", "decode_ops.cpp", "encoder_attention.cpp")
 _SOURCES = [Path(__file__).with_name(name) for name in _SOURCE_NAMES]
 # int8 inputs of up to this many rows take `int8_gemv` (wider ones `_int_mm`). Measured at 1 thread
 # (AVX512-VNNI) on the 262k x 640 Gemma lm_head at 1 / 4 / 16 rows: 7.8 / 8.3 / 35 ms, `_int_mm` 37 / 37 / 39.
