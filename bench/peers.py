@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -79,6 +80,19 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     return frozenset(line.partition(":")[2].split())
+
+
+def cpu_family() -> str:
+    """`intel`, `amd` or the machine's architecture (`aarch64`, ...): each kind of CPU keeps its own
+    tables and plots in docs/benchmarks.md, as a later machine may be another kind."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        text = ""
+    vendor = next(
+        (ln.partition(":")[2].strip() for ln in text.splitlines() if ln.startswith("vendor_id")), ""
+    )
+    return {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(vendor, platform.machine().lower() or "cpu")
 
 
 def cpu_cmake_flags(flags: frozenset[str]) -> tuple[str, ...]:

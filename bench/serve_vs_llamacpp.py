@@ -8,7 +8,7 @@ same thread count. Each concurrency level sends `max(min_prompts, prompts_per_sl
 fixed input and output length (ignore_eos), capped at C in flight; its prompts are seeded by C, so no level
 hits the prefix cache of another, and both servers see exactly the same prompts. llama-server runs with -np 64
 slots and continuous batching. Results: JSON under bench/results/, a table and plots in docs/benchmarks.md
-(section serve-bench).
+(sections serve-bench-PRECISION-CPU, one per precision and kind of CPU: intel, amd, aarch64).
 """
 
 from __future__ import annotations
@@ -128,10 +128,11 @@ def compare(args: argparse.Namespace, gguf: Path) -> None:
     if not args.skip_ours:
         with our_server(args.model, args.port + 1, _our_args(args), args.threads) as server:
             results["edgeinfer"] = {c: _level(server, work, c) for c in args.concurrency}
-    tag = f"serve_vs_llamacpp-{args.precision}"
+    kind = f"{args.precision}-{peers.cpu_family()}"
+    tag = f"serve_vs_llamacpp-{kind}"
     doc = {label: {c: s.to_dict() for c, s in levels.items()} for label, levels in results.items()}
     write_json(RESULTS / f"{tag}.json", doc)
-    plot = REPO / "docs" / "img" / f"serve-bench-{args.precision}.png"
+    plot = REPO / "docs" / "img" / f"serve-bench-{kind}.png"
     title = f"Gemma 3 270M, {args.precision} class, {_threads(args.threads)}"
     serve_report.plot_comparison(results, plot, title)
     broken = [label for label, levels in results.items() if not any(s.completed for s in levels.values())]
@@ -140,7 +141,7 @@ def compare(args: argparse.Namespace, gguf: Path) -> None:
     elif args.write_docs:
         load = (load_before, os.getloadavg()[0])
         doc = _comparison_doc(args, results, plot, gguf, load)
-        replace_section(DOCS, f"serve-bench-{args.precision}", doc)
+        replace_section(DOCS, f"serve-bench-{kind}", doc)
         print(f"updated {DOCS.relative_to(REPO)}", file=sys.stderr)
 
 
@@ -151,7 +152,7 @@ def _comparison_doc(
     roof = roofline.roofline(context, batches=[1, 8, 32, 64], threads=args.threads)
     peer_file = peers.peer_gguf(args.precision, gguf).name if "llama.cpp" in results else "not run"
     lines = [
-        f"### Serving: edgeinfer vs llama.cpp, {args.precision} class",
+        f"### Serving: edgeinfer vs llama.cpp, {args.precision} class, {peers.cpu_family()} CPU",
         "",
         f"Machine: {serve_report.machine_info()}; both servers use {_threads(args.threads)}, one at a time; "
         f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after (other work here skews results).",

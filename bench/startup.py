@@ -41,7 +41,8 @@ from edgeinfer.engine.model.loader.default_model import resolve_default_model  #
 DOCS = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results"
 CACHES = RESULTS / "startup-cache"
-STORE = RESULTS / "startup.json"
+STORE = RESULTS / f"startup-{peers.cpu_family()}.json"
+SECTION = f"startup-bench-{peers.cpu_family()}"  # one table per kind of CPU
 CONFIGS = {
     "bf16": [],
     "int8": ["--quantization", "int8"],
@@ -157,14 +158,14 @@ def describe(args: argparse.Namespace, rows: list[Row]) -> str:
         "each row's llama-server starts ran just before its own, one server at a time."
     )
     setup = (
-        "Command: `python bench/startup.py [--configs ...]` (rows kept in bench/results/startup.json, "
+        "Command: `python bench/startup.py [--configs ...]` (rows kept in bench/results/startup-CPU.json, "
         "each rerun replaces its own). Gemma 3 270M; ours from its "
         "Q4_K_M GGUF (`edgeinfer serve --preload`, `--cache-dir` emptied before the first start); "
         f"llama-server (llama-cpp-python {peers.LLAMA_CPP_PYTHON_VERSION}) on the GGUF of the same class "
         "(BF16, Q8_0, Q4_K_M). Ready: `/ready` or `/health` answers 200; answered: an 8-token greedy "
         "completion has come back."
     )
-    title = "### Cold start: process start to ready, edgeinfer vs llama-server"
+    title = f"### Cold start: process start to ready, edgeinfer vs llama-server, {peers.cpu_family()} CPU"
     return "\n".join([title, "", machine, setup, "", table(rows)])
 
 
@@ -186,7 +187,7 @@ def main() -> int:
     gguf = resolve_default_model()
     stored = json.loads(STORE.read_text()) if STORE.exists() else {}
     if args.render_only:
-        replace_section(DOCS, "startup-bench", describe(args, [stored[c] for c in CONFIGS if c in stored]))
+        replace_section(DOCS, SECTION, describe(args, [stored[c] for c in CONFIGS if c in stored]))
         return 0
     for config in args.configs:
         precision = config.split()[0]
@@ -205,7 +206,7 @@ def main() -> int:
         body = describe(args, [stored[c] for c in CONFIGS if c in stored])
         print(body)
         if not args.no_docs:  # after every configuration: a long run that is stopped keeps what it measured
-            replace_section(DOCS, "startup-bench", body)
+            replace_section(DOCS, SECTION, body)
             print(f"updated {DOCS.relative_to(REPO)}", file=sys.stderr)
     return 0
 
