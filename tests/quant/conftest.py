@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -16,3 +18,17 @@ def ops():
     except kernels.KernelBuildError as e:  # no compiler, or not x86
         pytest.skip(f"the CPU kernels cannot be built here: {e}")
     return torch.ops.edgeinfer_cpu
+
+
+# The ops' two variants: plain loops and AVX-512.
+LEVELS = ("scalar", "avx512")
+
+
+@pytest.fixture(params=LEVELS)
+def level(request, ops) -> Iterator[str]:
+    """Each variant in turn (the AVX-512 one only where the CPU has it)."""
+    ops.set_isa_cap(request.param)
+    if request.param != "scalar" and ops.isa() == "scalar":
+        pytest.skip("no AVX-512 here")
+    yield request.param
+    ops.set_isa_cap(kernels.ISA_LEVELS[-1])

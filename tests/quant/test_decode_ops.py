@@ -3,8 +3,6 @@ instruction-set level this CPU runs, and switched on for models that run on our 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -19,18 +17,6 @@ from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
 from edgeinfer.engine.quant import kernels
 from edgeinfer.types import SamplingParams
-
-LEVELS = ("scalar", "avx512")  # the ops' two variants (plain loops, AVX-512)
-
-
-@pytest.fixture(params=LEVELS)
-def level(request, ops) -> Iterator[str]:
-    """Each variant in turn (the AVX-512 one only where the CPU has it)."""
-    ops.set_isa_cap(request.param)
-    if request.param != "scalar" and ops.isa() == "scalar":
-        pytest.skip("no AVX-512 here")
-    yield request.param
-    ops.set_isa_cap(kernels.ISA_LEVELS[-1])
 
 
 def _bf16(*shape: int, seed: int) -> torch.Tensor:

@@ -4,24 +4,12 @@ sequence, at each instruction-set level this CPU runs, and its refusals of malfo
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from edgeinfer.engine.quant import kernels
-
-LEVELS = ("scalar", "avx512")
-
-
-@pytest.fixture(params=LEVELS)
-def level(request, ops) -> Iterator[str]:
-    ops.set_isa_cap(request.param)
-    if request.param != "scalar" and ops.isa() == "scalar":
-        pytest.skip("no AVX-512 here")
-    yield request.param
-    ops.set_isa_cap(kernels.ISA_LEVELS[-1])
 
 
 def _reference(qkv: torch.Tensor, lengths: list[int]) -> torch.Tensor:
