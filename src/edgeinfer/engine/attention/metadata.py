@@ -28,3 +28,12 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def decode_context_lens(self, device: torch.device) -> torch.Tensor:
+        """The decodes' context lengths, int64 [num_decodes]. Inside a compiled graph (the one-sequence
+        decode step, model/compile.py) one `full` per length: a graph with a `torch.tensor` call in it is
+        one AOTAutograd's cache refuses to store, so every start would trace it again."""
+        lens = self.context_lens[: self.num_decodes]
+        if torch.compiler.is_compiling():
+            return torch.cat([torch.full((1,), n, dtype=torch.long, device=device) for n in lens])
+        return torch.tensor(lens, dtype=torch.long, device=device)

@@ -146,7 +146,7 @@ def _decode_context(
         nd = meta.num_decodes
         n_blocks = -(-max(meta.context_lens[:nd]) // meta.block_size)
         blocks = meta.block_tables[:nd, :n_blocks]
-        ctx = torch.tensor(meta.context_lens[:nd], device=blocks.device)
+        ctx = meta.decode_context_lens(blocks.device)
         mask = torch.arange(n_blocks * meta.block_size, device=blocks.device) < ctx.unsqueeze(1)
         meta.cache[key] = (blocks, mask)
     blocks, mask = meta.cache[key]

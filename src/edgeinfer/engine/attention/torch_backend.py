@@ -118,7 +118,7 @@ class TorchPagedBackend(AttentionBackend):
         nd = meta.num_decodes
         key = ("decode", window)
         if key not in meta.cache:
-            ctx = torch.tensor(meta.context_lens[:nd], device=q.device)
+            ctx = meta.decode_context_lens(q.device)
             n_blocks = -(-max(meta.context_lens[:nd]) // meta.block_size)
             mask = _mask((ctx - 1).view(nd, 1), ctx, n_blocks * meta.block_size, window)
             bias = torch.zeros(mask.shape, device=q.device).masked_fill_(~mask, float("-inf"))

@@ -10,6 +10,9 @@ batched decodes compiled, TPOT p50 went to 886 ms). The context length is dynami
 
 Measured on Gemma 3 270M int4, 1 thread: one sequence 28.0 -> 20.5 ms a step in-process; with our CPU
 kernels (`--cpu-gemv`) 14.1 ms, serving TPOT p50 13.7 ms; compiling takes ~2-3 minutes on first use.
+Each start traces the step again (Dynamo); what it compiles comes from AOTAutograd's and inductor's caches
+on disk (`use_persistent_compile_cache`), which is why the graph holds no `torch.tensor` call: AOTAutograd
+refuses to cache such a graph (tests/engine/test_compile_models.py checks it is kept).
 Inductor's fused fp32 intermediates can change greedy tokens, so it is opt-in. Compiling needs a C++
 compiler at run time; when it fails the steps run eagerly, with a warning, rather than the engine failing.
 """

@@ -17,6 +17,13 @@ from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
 from edgeinfer.engine.model.weights import Shard, load_weights
 from edgeinfer.engine.quant.layers import logits_fp32
 
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype` (on the CPU: models are built under a meta device)."""
+    return torch.tensor(value, dtype=dtype, device="cpu").item()
+
 
 @dataclass(frozen=True)
 class DenseArgs:
@@ -111,6 +118,10 @@ class DenseCausalLM(nn.Module):
         )
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as HF does; kept as a float
+        # per dtype (exact in each, so the product is HF's bit for bit): a tensor made inside forward would
+        # be a `torch.tensor` call in a compiled graph, which AOTAutograd's cache refuses to store.
+        self.embed_scale = {dt: _rounded(args.hidden**0.5, dt) for dt in _FLOAT_DTYPES}
 
     @property
     def kv_spec(self) -> KVSpec:
@@ -122,8 +133,7 @@ class DenseCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         if self.args.gemma_style:
-            # Gemma scales embeddings by sqrt(hidden), rounded to the model dtype as HF does.
-            x = x * torch.tensor(self.args.hidden**0.5, dtype=x.dtype)
+            x = x * self.embed_scale[x.dtype]
         for layer in self.model.layers:
             x = layer(x, positions, backend)
         return self.model.norm(x)
