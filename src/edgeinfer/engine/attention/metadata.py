@@ -31,8 +31,8 @@ class AttentionMetadata:
 
     def decode_context_lens(self, device: torch.device) -> torch.Tensor:
         """The decodes' context lengths, int64 [num_decodes]. Inside a compiled graph (the one-sequence
-        decode step, model/compile.py) one `full` per length: a graph with a `torch.tensor` call in it is
-        one AOTAutograd's cache refuses to store, so every start would trace it again."""
+        decode step, model/compile.py) one `full` per length: AOTAutograd's cache refuses to store a graph
+        with a `torch.tensor` call in it, and every start would run AOTAutograd on it again."""
         lens = self.context_lens[: self.num_decodes]
         if torch.compiler.is_compiling():
             return torch.cat([torch.full((1,), n, dtype=torch.long, device=device) for n in lens])
