@@ -72,26 +72,24 @@ _GGML_FEATURES = {
 }
 
 
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+def cpuinfo_field(name: str) -> str:
+    """The first `name : value` of /proc/cpuinfo ("" where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
     except OSError:
-        return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+        return ""
+    return next((ln.partition(":")[2].strip() for ln in text.splitlines() if ln.startswith(name)), "")
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return frozenset(cpuinfo_field("flags").split())
 
 
 def cpu_family() -> str:
     """`intel`, `amd` or the machine's architecture (`aarch64`, ...): each kind of CPU keeps its own
     tables and plots in docs/benchmarks.md, as a later machine may be another kind."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        text = ""
-    vendor = next(
-        (ln.partition(":")[2].strip() for ln in text.splitlines() if ln.startswith("vendor_id")), ""
-    )
+    vendor = cpuinfo_field("vendor_id")
     return {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(vendor, platform.machine().lower() or "cpu")
 
 

@@ -41,8 +41,9 @@ from edgeinfer.engine.model.loader.default_model import resolve_default_model  #
 DOCS = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results"
 CACHES = RESULTS / "startup-cache"
-STORE = RESULTS / f"startup-{peers.cpu_family()}.json"
-SECTION = f"startup-bench-{peers.cpu_family()}"  # one table per kind of CPU
+CPU = peers.cpu_family()  # one table per kind of CPU
+STORE = RESULTS / f"startup-{CPU}.json"
+SECTION = f"startup-bench-{CPU}"
 CONFIGS = {
     "bf16": [],
     "int8": ["--quantization", "int8"],
@@ -165,7 +166,7 @@ def describe(args: argparse.Namespace, rows: list[Row]) -> str:
         "(BF16, Q8_0, Q4_K_M). Ready: `/ready` or `/health` answers 200; answered: an 8-token greedy "
         "completion has come back."
     )
-    title = f"### Cold start: process start to ready, edgeinfer vs llama-server, {peers.cpu_family()} CPU"
+    title = f"### Cold start: process start to ready, edgeinfer vs llama-server, {CPU} CPU"
     return "\n".join([title, "", machine, setup, "", table(rows)])
 
 
