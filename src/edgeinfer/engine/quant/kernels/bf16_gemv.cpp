@@ -103,11 +103,6 @@ EDGEINFER_TARGET_BF16 void tile_avx512_bf16(const Operands& op, const uint16_t* 
     for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
-EDGEINFER_TARGET_AVX512 inline __m512 widen16(const uint16_t* p, __mmask16 mask) {
-  const __m256i v = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
 template <int MB, int R>
 EDGEINFER_TARGET_AVX512 void tile_avx512(const Operands& op, const uint16_t* w, int64_t m0, float* y,
                                          int64_t ldy) {
@@ -120,7 +115,7 @@ EDGEINFER_TARGET_AVX512 void tile_avx512(const Operands& op, const uint16_t* w, 
     const __mmask16 mask = k - i >= 16 ? 0xFFFF : (1u << (k - i)) - 1;
     if (i % 32 == 0) prefetch_rows<R>(w, k, i);
     __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = widen16(w + r * k + i, mask);
+    for (int r = 0; r < R; ++r) wv[r] = edgeinfer_cpu::bf16x16_to_fp32(w + r * k + i, mask);
     for (int m = 0; m < MB; ++m) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * k + i);
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);

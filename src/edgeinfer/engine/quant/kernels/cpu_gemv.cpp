@@ -287,14 +287,6 @@ ActGroups quantize_groups(const T* x, int64_t m_rows, int64_t k, int64_t g) {
 
 using edgeinfer_cpu::bf16_bits_to_float;
 
-#if EDGEINFER_X86
-// 16 bf16 values -> fp32 lanes (bf16 is the top half of an fp32)
-EDGEINFER_TARGET_VNNI inline __m512 bf16x16_to_ps(const uint16_t* p) {
-  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-}
-#endif
-
 // One tile of 16 rows against `mb` (<= kRowBlock) activation rows; writes out[m][16]. `mb` and the group
 // size are template arguments so that the loops unroll and the accumulators live in registers.
 #if EDGEINFER_X86
@@ -329,8 +321,8 @@ EDGEINFER_TARGET_VNNI void int4_tile_vnni(const uint8_t* codes, const uint16_t* 
         dot[m][c + 1] = _mm512_dpbusd_epi32(dot[m][c + 1], hi, _mm512_set1_epi32(q47));
       }
     }
-    const __m512 sc = bf16x16_to_ps(scales + b * kTile);
-    const __m512 zt = bf16x16_to_ps(zero_terms + b * kTile);
+    const __m512 sc = edgeinfer_cpu::bf16x16_to_fp32(scales + b * kTile);
+    const __m512 zt = edgeinfer_cpu::bf16x16_to_fp32(zero_terms + b * kTile);
     for (int64_t m = 0; m < mb; ++m) {
       // sum((q - 8) * a) = sum(q * a) - 8 sum(a), exact in int32; then scale it, add zero_term * sum(a)
       const int32_t sum_a = asum[m * ng + b];

@@ -71,8 +71,7 @@ EDGEINFER_TARGET_AVX512 float dot_avx512(const float* a, const float* b, int64_t
 EDGEINFER_TARGET_AVX512 void widen_avx512(const uint16_t* x, float* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1;
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + i));
-    _mm512_mask_storeu_ps(out + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    _mm512_mask_storeu_ps(out + i, m, edgeinfer_cpu::bf16x16_to_fp32(x + i, m));
   }
 }
 

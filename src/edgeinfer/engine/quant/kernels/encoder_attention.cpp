@@ -86,9 +86,7 @@ constexpr int64_t kKeyBlock = 32;  // keys per step of the score loop (two vecto
 // 16 bf16 (or fp32) values of a row as fp32 lanes.
 EDGEINFER_TARGET_AVX512 inline __m512 load16(const void* base, int64_t at, bool bf16) {
   if (!bf16) return _mm512_loadu_ps(reinterpret_cast<const float*>(base) + at);
-  const auto* x = reinterpret_cast<const uint16_t*>(base) + at;
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  return edgeinfer_cpu::bf16x16_to_fp32(reinterpret_cast<const uint16_t*>(base) + at);
 }
 
 // fp32 lanes stored as bf16, rounded to nearest even as c10::BFloat16 rounds (finite values).
