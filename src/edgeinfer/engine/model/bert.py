@@ -28,7 +28,8 @@ ATTENTION_MODES = ("auto", "packed", "grouped", "masked")
 # Head dims the packed kernel's AVX-512 variant takes (encoder_attention.cpp pick_avx512); others run as
 # plain loops, slower than SDPA.
 PACKED_HEAD_DIMS = (16, 32, 64, 128)
-_VECTOR_ISAS = ("avx512", "avx512_vnni", "avx512_bf16")
+# The packed kernel's vector variant needs AVX-512: that level or any above it (kernels.ISA_LEVELS).
+_VECTOR_ISAS = kernels.ISA_LEVELS[kernels.ISA_LEVELS.index("avx512") :]
 # The scores of a masked chunk are [heads, n, n] fp32: 2048 tokens x 12 heads is 200 MB; a whole batch of
 # 18k tokens would be 16 GB.
 MASK_CHUNK_TOKENS = 2048
