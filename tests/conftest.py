@@ -25,7 +25,10 @@ def _private_cache_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
-    return {fam: str(make_tiny(fam, root / fam)) for fam in ("llama", "qwen3", "gemma3")}
+    models = {fam: str(make_tiny(fam, root / fam)) for fam in ("llama", "qwen3", "gemma3")}
+    # biases on every projection (`attention_bias` puts one on o_proj too, `mlp_bias` on the MLP's)
+    models["llama_bias"] = str(make_tiny("llama", root / "llama_bias", attention_bias=True, mlp_bias=True))
+    return models
 
 
 @pytest.fixture(scope="session")

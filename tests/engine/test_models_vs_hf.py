@@ -11,7 +11,7 @@ from edgeinfer.engine.attention.metadata import AttentionMetadata
 from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.types import SamplingParams
 
-FAMILIES = ["llama", "qwen3", "gemma3"]
+FAMILIES = ["llama", "qwen3", "gemma3", "llama_bias"]
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [300, 301, 5, 6]]
 
 

@@ -60,6 +60,7 @@ class DecoderLayer(nn.Module):
             num_kv_heads=args.num_kv_heads,
             head_dim=args.head_dim,
             bias=args.attention_bias,
+            out_bias=args.attention_bias,  # as HF's Llama, Qwen3 and Gemma 3 build o_proj
             qk_norm=args.qk_norm,
             qk_norm_eps=args.rms_eps,
             qk_norm_unit_offset=g,
@@ -131,12 +132,14 @@ class DenseCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        if self.args.gemma_style:
-            x = x * self.embed_scale[x.dtype]
+        x = self.embed(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, backend)
         return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        return x * self.embed_scale[x.dtype] if self.args.gemma_style else x
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits for the rows that need them (sampling positions), into `out` if given."""

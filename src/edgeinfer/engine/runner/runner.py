@@ -10,6 +10,7 @@ from torch import nn
 from edgeinfer.engine.attention.backend import get_attention_backend
 from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.model.compile import DecodeCompiledForward
+from edgeinfer.engine.model.fused_decode import FusedDenseDecode, fused_dense_decode
 from edgeinfer.engine.quant.kernels.decode import use_decode_ops
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.inputs import StepInputs, build_inputs
@@ -54,9 +55,13 @@ class ModelRunner:
         self.storage = storage
         self.device = device
         self.backend = get_attention_backend(backend, storage)
+        # one-sequence decode steps through one C++ call where every layer runs on our kernels anyway;
+        # a compiled graph takes those steps instead when asked for
+        self.fused: FusedDenseDecode | None = None
         if decode_ops:  # the model runs on our CPU kernels, so they are built and loaded
             use_decode_ops(model)
             self.backend.decode_ops = True
+            self.fused = None if compile else fused_dense_decode(model, storage)
         self.sampler = Sampler(vocab_limit)
         self.grammar = GrammarRuntime(guidance_tokenizer) if guidance_tokenizer is not None else None
         self.num_steps = 0
@@ -73,9 +78,11 @@ class ModelRunner:
         inp = build_inputs(sched.chunks, self.storage.block_size, self.device)
         pending_masks = self.grammar.start_masks(inp.sample_chunks) if self.grammar is not None else None
         self.backend.begin(inp.attn)
+        single_decode = inp.attn.num_decodes == inp.attn.num_seqs == 1
         if self.compiled is not None:
-            single_decode = inp.attn.num_decodes == inp.attn.num_seqs == 1
             hidden = self.compiled(inp.input_ids, inp.positions, self.backend, single_decode)
+        elif self.fused is not None and single_decode:
+            hidden = self.fused(inp.input_ids, inp.positions, inp.attn)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.backend)
         out = RunnerOutput()

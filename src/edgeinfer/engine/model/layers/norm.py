@@ -27,14 +27,22 @@ class RMSNorm(nn.Module):
         self.kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (a non-bf16 weight would make the torch form's product another dtype: keep it)
-        if takes_kernel(self, x) and (self.unit_offset or self.weight.dtype == torch.bfloat16):
-            weight = self._fp32_scale() if self.unit_offset else self.weight
+        if takes_kernel(self, x) and self.takes_kernel_weight():
+            weight = self.kernel_weight()
             return torch.ops.edgeinfer_cpu.rms_norm(x.contiguous(), weight, self.eps, not self.unit_offset)
         shape = (x.shape[-1],)
         if self.unit_offset:
             return F.rms_norm(x.float(), shape, self._fp32_scale(), self.eps).type_as(x)
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).type_as(x)
+
+    def takes_kernel_weight(self) -> bool:
+        """Whether our kernel rounds as this norm does (a non-bf16 weight would make the torch form's
+        product another dtype)."""
+        return self.unit_offset or self.weight.dtype == torch.bfloat16
+
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight our `rms_norm` takes: Gemma's fp32 `1 + w`, else the weight itself."""
+        return self._fp32_scale() if self.unit_offset else self.weight.detach()
 
     def _fp32_scale(self) -> torch.Tensor:
         if torch.compiler.is_compiling():  # a compiled graph fuses `1 + w` into the norm

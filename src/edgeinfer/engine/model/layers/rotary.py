@@ -106,10 +106,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x of shape [T, heads, head_dim] at `positions` [T]."""
-        cos, sin = self._tables(positions, xs[0].dtype)
+        cos, sin = self.tables(positions, xs[0].dtype)
         return tuple(self._rotate(x, cos, sin) for x in xs)
 
-    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer of a step passes the same positions tensor: gather cos/sin once per step, in the
         # activations' dtype (as HF rotates, so bf16 results match it too).
         # A compiled graph fuses the gather into the rotation instead.

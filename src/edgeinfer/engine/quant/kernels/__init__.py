@@ -1,5 +1,5 @@
-"""Our CPU kernels (cpu_gemv.cpp, bf16_gemv.cpp, decode_ops.cpp): built at first use, picked by CPU
-feature at run time.
+"""Our CPU kernels (cpu_gemv.cpp, bf16_gemv.cpp, decode_ops.cpp, dense_step.cpp): built at first use,
+picked by CPU feature at run time.
 
 `load()` builds the extension with torch's C++ toolchain (a C++ compiler and ninja; ~20 s once, then
 cached per source under `$TORCH_EXTENSIONS_DIR` or our cache dir) and registers `torch.ops.edgeinfer_cpu.*`.
@@ -19,6 +19,8 @@ use; `EDGEINFER_CPU_ISA` (scalar, avx2, avx512, avx512_vnni) caps it, for tests 
   stored) with fp32 sums, into bf16 or fp32 (bf16.py: float models' linear layers and lm_head at few rows).
 - `rms_norm`, `rope`, `gated_act` and `paged_decode_one`: the small ops of a one-sequence decode step, one
   call each (decode.py); eager only (a compiled graph fuses the torch ops itself), so they have no fakes.
+- `torch.classes.edgeinfer_cpu.DenseDecodeStep`: every layer of a dense model's one-sequence decode step in
+  one call, through the kernels above (dense_step.cpp; built by model/fused_decode.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE_NAMES = ("isa.cpp", "cpu_gemv.cpp", "bf16_gemv.cpp", "decode_ops.cpp", "encoder_attention.cpp")
+_SOURCE_NAMES = (
+    "isa.cpp",
+    "cpu_gemv.cpp",
+    "bf16_gemv.cpp",
+    "decode_ops.cpp",
+    "dense_step.cpp",
+    "encoder_attention.cpp",
+)
 _SOURCES = [Path(__file__).with_name(name) for name in _SOURCE_NAMES]
 # int8 inputs of up to this many rows take `int8_gemv` (wider ones `_int_mm`). Measured at 1 thread
 # (AVX512-VNNI) on the 262k x 640 Gemma lm_head at 1 / 4 / 16 rows: 7.8 / 8.3 / 35 ms, `_int_mm` 37 / 37 / 39.
@@ -98,7 +107,7 @@ def _build_dir() -> Path:
     from edgeinfer.engine.prepared.key import cache_root
 
     digest = hashlib.sha256(" ".join(_CFLAGS).encode() + torch.__version__.encode())
-    for source in [*_SOURCES, Path(__file__).with_name("isa.h")]:
+    for source in [*_SOURCES, *sorted(Path(__file__).parent.glob("*.h"))]:
         digest.update(str(source.resolve()).encode() + source.read_bytes())
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_root() / "extensions")
     path = root / f"edgeinfer_cpu_kernels-{digest.hexdigest()[:16]}"

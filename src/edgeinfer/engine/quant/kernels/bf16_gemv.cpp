@@ -20,6 +20,7 @@
 // than their size repays.
 
 #include "isa.h"
+#include "ops.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -210,6 +211,10 @@ void store(const float* sums, int64_t mb, int64_t rows, at::Tensor& out, int64_t
     for (int64_t r = 0; r < rows; ++r) o[(m0 + m) * n + n0 + r] = at::BFloat16(sums[m * kRows + r]);
 }
 
+}  // namespace
+
+namespace edgeinfer_cpu {
+
 void bf16_gemv_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   check(x, w, out);
   const int64_t m_rows = x.size(0), n = w.size(0), k = w.size(1);
@@ -235,11 +240,20 @@ void bf16_gemv_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   });
 }
 
+}  // namespace edgeinfer_cpu
+
+
+namespace edgeinfer_cpu {
+
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   auto out = at::empty({x.size(0), w.size(0)}, x.options());
   bf16_gemv_out(x, w, out);
   return out;
 }
+
+}  // namespace edgeinfer_cpu
+
+namespace {
 
 std::string bf16_variant() { return pick_variant().name; }
 
@@ -252,6 +266,6 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {
-  m.impl("bf16_gemv", bf16_gemv);
-  m.impl("bf16_gemv_out", bf16_gemv_out);
+  m.impl("bf16_gemv", edgeinfer_cpu::bf16_gemv);
+  m.impl("bf16_gemv_out", edgeinfer_cpu::bf16_gemv_out);
 }

@@ -18,6 +18,7 @@
 // (isa.h); elsewhere the same arithmetic runs as plain loops.
 
 #include "isa.h"
+#include "ops.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -395,6 +396,10 @@ TileFn pick_tile(int64_t mb, int64_t g, bool vnni) {
   }
 }
 
+}  // namespace
+
+namespace edgeinfer_cpu {
+
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const at::Tensor& zero_terms, int64_t group) {
   TORCH_CHECK(x.dim() == 2, "int4_gemv: x must be [M, K]");
@@ -445,6 +450,10 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return out;
 }
 
+}  // namespace edgeinfer_cpu
+
+namespace {
+
 bool has_vnni() { return use_vnni(); }
 
 std::string isa() { return edgeinfer_cpu::isa_name(); }
@@ -467,5 +476,5 @@ TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {
   m.impl("int8_gemv", int8_gemv);
   m.impl("int8_gemv_out", int8_gemv_out);
   m.impl("int8_gemv_kn", int8_gemv_kn);
-  m.impl("int4_gemv", int4_gemv);
+  m.impl("int4_gemv", edgeinfer_cpu::int4_gemv);
 }

@@ -15,6 +15,7 @@
 // (isa.h), else in plain loops.
 
 #include "isa.h"
+#include "ops.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -110,6 +111,10 @@ void norm_row(const uint16_t* x, const float* w, float eps, bool round_first, c1
     y[i] = round_first ? c10::BFloat16(round_bf16(buf[i] * inv) * w[i]) : c10::BFloat16(buf[i] * inv * w[i]);
 }
 
+}  // namespace
+
+namespace edgeinfer_cpu {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool round_first) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "rms_norm: x must be contiguous bf16");
   const int64_t d = x.size(-1), rows = d ? x.numel() / d : 0;
@@ -130,11 +135,19 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   return out;
 }
 
+}  // namespace edgeinfer_cpu
+
+namespace {
+
 // ---- Rotary embedding ---------------------------------------------------------------------------
 
 // x [T, H, D] rotated in its first `rd` channels by bf16 cos/sin [T, 1, rd] (halves: HF's rotate_half,
 // the tables repeated per half) or [T, 1, rd / 2] (interleaved pairs), each product and the sum rounded
 // to bf16 as the torch ops round them.
+}  // namespace
+
+namespace edgeinfer_cpu {
+
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rd, bool interleaved) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "rope: x must be bf16 [T, heads, dim]");
   TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16, "rope: bf16 tables");
@@ -166,10 +179,18 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
+}  // namespace edgeinfer_cpu
+
+namespace {
+
 // ---- Gated activation -------------------------------------------------------------------------------
 
 // act(gate) * up for gate_up [T, 2I] = [gate | up], through ATen's own vectorised activation: the same
 // kernels and roundings as the three torch ops, in one call from Python. `act`: 0 silu, 1 gelu (tanh).
+}  // namespace
+
+namespace edgeinfer_cpu {
+
 at::Tensor gated_act(const at::Tensor& gate_up, int64_t act) {
   TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
               "gated_act: gate_up must be bf16 [T, 2 * intermediate]");
@@ -179,6 +200,10 @@ at::Tensor gated_act(const at::Tensor& gate_up, int64_t act) {
   at::Tensor out = act == 0 ? at::silu(gate) : at::gelu(gate, "tanh");
   return out.mul_(up);
 }
+
+}  // namespace edgeinfer_cpu
+
+namespace {
 
 // ---- Paged decode attention, one sequence ---------------------------------------------------------
 
@@ -226,6 +251,10 @@ void check_pool(const at::Tensor& pool, const at::Tensor& x, const char* name) {
 
 // Writes k, v [1, Hkv, D] at flat `slot` of the pools, then returns the attention of q [1, Hq, D] over
 // the sequence's `ctx` tokens in `blocks` [n] (window > 0: only the last `window` keys).
+}  // namespace
+
+namespace edgeinfer_cpu {
+
 at::Tensor paged_decode_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
                             at::Tensor& v_pool, int64_t slot, const at::Tensor& blocks, int64_t ctx, double scale,
                             int64_t window) {
@@ -271,7 +300,8 @@ at::Tensor paged_decode_one(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-}  // namespace
+}  // namespace edgeinfer_cpu
+
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool round_first) -> Tensor");
@@ -283,8 +313,8 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {
-  m.impl("rms_norm", rms_norm);
-  m.impl("rope", rope);
-  m.impl("gated_act", gated_act);
-  m.impl("paged_decode_one", paged_decode_one);
+  m.impl("rms_norm", edgeinfer_cpu::rms_norm);
+  m.impl("rope", edgeinfer_cpu::rope);
+  m.impl("gated_act", edgeinfer_cpu::gated_act);
+  m.impl("paged_decode_one", edgeinfer_cpu::paged_decode_one);
 }

@@ -1,0 +1,28 @@
+// The kernels that other kernels call directly (dense_step.cpp runs a whole decode step through them),
+// each also registered as a torch op by the file that defines it.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace edgeinfer_cpu {
+
+// decode_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool round_first);
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rd, bool interleaved);
+at::Tensor gated_act(const at::Tensor& gate_up, int64_t act);
+at::Tensor paged_decode_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
+                            at::Tensor& v_pool, int64_t slot, const at::Tensor& blocks, int64_t ctx, double scale,
+                            int64_t window);
+
+// bf16_gemv.cpp
+void bf16_gemv_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w);
+
+// cpu_gemv.cpp
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& zero_terms, int64_t group);
+
+}  // namespace edgeinfer_cpu
