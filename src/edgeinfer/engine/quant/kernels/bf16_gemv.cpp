@@ -10,10 +10,15 @@
 //                  against the activations converted to fp32 once;
 //   scalar:      the same sums in plain loops (any CPU).
 //
-// Each weight row is prefetched kPrefetchBytes ahead of its loads: one core has too few cache misses in
-// flight for the hardware prefetcher alone to reach the memory bandwidth. Measured on the 262k x 640
-// lm_head at 2 threads (Intel Xeon, AVX512-BF16; a plain read of the same bytes runs at 29.5-31.7 GB/s):
-// 4 rows, no prefetch 19.2 GB/s; 8 rows, 512 B ahead 24.9; 256 B 24.7; 1 KiB 19.3; 16 rows 22.4-24.0.
+// Each tile prefetches the next tile's weights (the rows below it, at the offset it is reading): one core
+// has too few cache misses in flight for the hardware prefetcher alone to reach the memory bandwidth, and
+// a tile's rows are short streams (Gemma's 640 inputs: 1,280 B a row) that it barely learns before they
+// end. Measured on the 262k x 640 lm_head at 2 threads (AMD EPYC, AVX512-BF16, interleaved medians of 15,
+// three runs; a plain streaming read of the same bytes alongside): read 54 GB/s -> each row 512 B ahead
+// 32.3 GB/s, next tile 42.9 (Gemma's layer shapes 28.7 -> 35.2); at a busier hour read 35-36 GB/s ->
+// 29.4-31.2 vs 32.1-32.4. Two tiles ahead measured the same as one. Earlier, on an Intel Xeon at 2
+// threads (plain read 29.5-31.7 GB/s): 4 rows, no prefetch 19.2 GB/s; 8 rows, 512 B ahead 24.9; 256 B
+// 24.7; 1 KiB 19.3; 16 rows 22.4-24.0.
 //
 // The variant is picked per call from what the CPU reports (isa.h). Rows are split across the engine's
 // threads in chunks of at least kGrainBytes of weight, so small layers are not spread over more threads
@@ -39,7 +44,6 @@ using edgeinfer_cpu::Isa;
 
 constexpr int kRows = 8;  // weight rows per tile
 constexpr int kM = 2;     // activation rows per tile
-constexpr int kPrefetchBytes = 512;
 constexpr int64_t kGrainBytes = 64 * 1024;
 
 using edgeinfer_cpu::bf16_bits_to_float;
@@ -69,11 +73,11 @@ void tile_scalar(const Operands& op, const uint16_t* w, int64_t m0, float* y, in
 }
 
 #if EDGEINFER_X86
-// No target attribute: `prefetcht0` is baseline x86-64, and each variant inlines this.
+// The next tile's rows at input `i` (past the last tile: prefetches never fault). No target attribute:
+// `prefetcht0` is baseline x86-64, and each variant inlines this.
 template <int R>
-inline void prefetch_rows(const uint16_t* w, int64_t k, int64_t i) {
-  for (int r = 0; r < R; ++r)
-    _mm_prefetch(reinterpret_cast<const char*>(w + r * k + i) + kPrefetchBytes, _MM_HINT_T0);
+inline void prefetch_next_tile(const uint16_t* w, int64_t k, int64_t i) {
+  for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * k + i), _MM_HINT_T0);
 }
 
 template <int MB, int R>
@@ -96,7 +100,7 @@ EDGEINFER_TARGET_BF16 void tile_avx512_bf16(const Operands& op, const uint16_t* 
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
   for (int64_t i = 0; i < body; i += 32) {
-    prefetch_rows<R>(w, k, i);
+    prefetch_next_tile<R>(w, k, i);
     step_bf16<MB, R>(acc, w, x, k, i, ~__mmask32{0});
   }
   if (body < k) step_bf16<MB, R>(acc, w, x, k, body, (__mmask32{1} << (k - body)) - 1);  // masked lanes add 0
@@ -114,7 +118,7 @@ EDGEINFER_TARGET_AVX512 void tile_avx512(const Operands& op, const uint16_t* w, 
     for (auto& a : row) a = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 16) {
     const __mmask16 mask = k - i >= 16 ? 0xFFFF : (1u << (k - i)) - 1;
-    if (i % 32 == 0) prefetch_rows<R>(w, k, i);
+    if (i % 32 == 0) prefetch_next_tile<R>(w, k, i);
     __m512 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = edgeinfer_cpu::bf16x16_to_fp32(w + r * k + i, mask);
     for (int m = 0; m < MB; ++m) {
@@ -140,7 +144,7 @@ EDGEINFER_TARGET_AVX2 void tile_avx2(const Operands& op, const uint16_t* w, int6
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_ps();
   for (int64_t i = 0; i < body; i += 8) {
-    if (i % 32 == 0) prefetch_rows<R>(w, k, i);
+    if (i % 32 == 0) prefetch_next_tile<R>(w, k, i);
     __m256 wv[R];
     for (int r = 0; r < R; ++r) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * k + i));
