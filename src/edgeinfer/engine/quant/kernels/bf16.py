@@ -1,12 +1,14 @@
 """Float models' linear layers through `bf16_gemv` (bf16_gemv.cpp) when a product has few rows.
 
-A decode step of one or two sequences multiplies every weight by one or two activation rows; there
-torch's bf16 GEMM reaches a fraction of the memory bandwidth and our kernel streams the weight as stored.
-Wider products (prefill, batched decode) keep torch's GEMM, which blocks for the cache and wins from ~4
-rows on. Measured at 1 thread (AVX512-BF16, CPU time, loaded machine) at 1 / 2 / 4 / 8 rows: 4096 x 640
-0.10 / 0.20 / 0.37 / 0.83 ms, torch 0.27 / 0.26 / 0.38 / 0.58; 640 x 2048 0.038 / 0.073 / 0.16 / 0.29,
-torch 0.14 / 0.14 / 0.16 / 0.22; the 262k x 640 Gemma lm_head 31.7 / 44.5 / 52.4 / 62.5, torch 39.9 /
-45.4 / 48.2 / 50.4.
+A decode step of a few sequences multiplies every weight by a few activation rows; there torch's bf16
+GEMM reaches a fraction of the memory bandwidth and our kernel streams the weight as stored. Wider
+products (prefill, batched decode) keep torch's GEMM, which blocks for the cache. Where it crosses over
+depends on the CPU. Intel Xeon with AMX, 1 thread (CPU time, loaded machine) at 1 / 2 / 4 / 8 rows:
+4096 x 640 0.10 / 0.20 / 0.37 / 0.83 ms, torch 0.27 / 0.26 / 0.38 / 0.58; 640 x 2048 0.038 / 0.073 /
+0.16 / 0.29, torch 0.14 / 0.14 / 0.16 / 0.22; the 262k x 640 Gemma lm_head 31.7 / 44.5 / 52.4 / 62.5,
+torch 39.9 / 45.4 / 48.2 / 50.4. AMD EPYC (AVX512-BF16, no AMX), 2 threads, at 4 / 8 rows: lm_head
+10.1 / 15.4 ms, torch 13.9 / 16.7; 4096 x 640 0.098 / 0.151, torch 0.114 / 0.123; 640 x 2048 0.056 /
+0.086, torch 0.061 / 0.070. So up to 4 rows take the kernel, 2 where the CPU has AMX.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-GEMV_ROWS = 2  # products of up to this many rows take the kernel
+from edgeinfer.engine.quant.kernels import cpu_flags
+
+# products of up to this many rows take the kernel
+GEMV_ROWS = 2 if "amx_bf16" in cpu_flags() else 4
 
 
 class GemvLinear(nn.Linear):
