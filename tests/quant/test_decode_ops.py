@@ -87,6 +87,42 @@ def test_paged_decode_one_matches_the_gather_path(level, window, ctx, dv):
     assert torch.allclose(fast.float(), eager.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_decode_of_a_batch_matches_the_gather_path(level, window):
+    hq, hkv, d, dv = 4, 2, 64, 96
+    tables = [[5, 2, 7], [3], [1, 6, 4]]  # out of order, of different lengths (padded with the null block)
+    ctxs = [37, 9, 48]
+    slots = [t[(c - 1) // 16] * 16 + (c - 1) % 16 for t, c in zip(tables, ctxs, strict=True)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_starts=[0, 1, 2],
+        query_lens=[1, 1, 1],
+        context_lens=ctxs,
+        block_tables=torch.tensor([t + [0] * (4 - len(t)) for t in tables]),
+        num_decodes=3,
+        block_size=16,
+    )
+    q, k, v = _bf16(3, hq, d, seed=3), _bf16(3, hkv, d, seed=4), _bf16(3, hkv, dv, seed=5)
+    results = []
+    for decode_ops in (False, True):
+        backend = TorchPagedBackend(_storage(hkv, d, 8, dv))
+        backend.decode_ops = decode_ops
+        backend.begin(meta)
+        results.append(backend.attend(0, q, k, v, d**-0.5, window))
+    eager, fast = results
+    assert fast.shape == eager.shape == (3, hq, dv)
+    assert torch.allclose(fast.float(), eager.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_paged_decode_refuses_a_block_table_too_short(ops):
+    storage = _storage(1, 32, 4)
+    q = _bf16(2, 2, 32, seed=0)
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        ops.paged_decode(
+            q, storage.k[0].data, storage.v[0].data, torch.tensor([[1], [2]]), torch.tensor([5, 20]), 1.0, 0
+        )
+
+
 def test_paged_decode_one_refuses_a_block_table_too_short(ops):
     storage = _storage(1, 32, 4)
     q, kv = _bf16(1, 2, 32, seed=0), _bf16(1, 1, 32, seed=1)

@@ -72,8 +72,9 @@ def _grouped_decode(
 
 
 class TorchPagedBackend(AttentionBackend):
-    """With `decode_ops`, a one-sequence decode step over a plain bf16 cache takes one call of our
-    `paged_decode_one` (write, then attend over the blocks where they lie) per layer."""
+    """With `decode_ops`, over a plain bf16 cache, a one-sequence decode step takes one call of our
+    `paged_decode_one` (write, then attend over the blocks where they lie) per layer, and the decodes of a
+    batched step one call of `paged_decode` (attend over each sequence's blocks, no gather)."""
 
     def attend(self, layer, q, k, v, scale, window=None, softcap=None):
         meta = self.meta
@@ -95,9 +96,12 @@ class TorchPagedBackend(AttentionBackend):
     def _takes_decode_op(
         self, layer: int, meta: AttentionMetadata, q: torch.Tensor, softcap: float | None
     ) -> bool:
+        return meta.num_decodes == meta.num_seqs == 1 and self._takes_batch_op(layer, q, softcap)
+
+    def _takes_batch_op(self, layer: int, q: torch.Tensor, softcap: float | None) -> bool:
+        """Whether our decode attention ops take this layer: on, a plain bf16 cache, no softcap."""
         return (
             self.decode_ops
-            and meta.num_decodes == meta.num_seqs == 1
             and softcap is None
             and q.dtype == torch.bfloat16
             and self.storage.lossless
@@ -116,6 +120,14 @@ class TorchPagedBackend(AttentionBackend):
 
     def _decode(self, layer, q, meta: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
         nd = meta.num_decodes
+        if self._takes_batch_op(layer, q, softcap):
+            if "decode_ctx" not in meta.cache:
+                meta.cache["decode_ctx"] = meta.decode_context_lens(q.device)
+            k_pool, v_pool = self.storage.k[layer].data, self.storage.v[layer].data
+            tables = meta.block_tables[:nd]
+            return torch.ops.edgeinfer_cpu.paged_decode(
+                q, k_pool, v_pool, tables, meta.cache["decode_ctx"], scale, window or 0
+            )
         key = ("decode", window)
         if key not in meta.cache:
             ctx = meta.decode_context_lens(q.device)

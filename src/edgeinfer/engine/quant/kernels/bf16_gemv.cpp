@@ -244,11 +244,6 @@ void bf16_gemv_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   });
 }
 
-}  // namespace edgeinfer_cpu
-
-
-namespace edgeinfer_cpu {
-
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   auto out = at::empty({x.size(0), w.size(0)}, x.options());
   bf16_gemv_out(x, w, out);

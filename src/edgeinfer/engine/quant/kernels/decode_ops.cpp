@@ -8,7 +8,8 @@
 //   rope:             rotary embedding of q or k, halves or interleaved pairs;
 //   gated_act:        act(gate) * up of the MLP (ATen's activation kernels, one call);
 //   paged_decode_one: write one token's K/V into the paged bf16 cache, then attend its query heads over
-//                     the sequence's blocks where they lie (no gather into a contiguous copy).
+//                     the sequence's blocks where they lie (no gather into a contiguous copy);
+//   paged_decode:     the same attention for a batch of decoding sequences (their K/V written before).
 //
 // Each rounds where the torch ops they replace round (bf16 matmul outputs, bf16 probabilities), so the
 // results match the eager path up to the order of fp32 sums. Sums run on AVX-512 where the CPU has it
@@ -141,13 +142,13 @@ namespace {
 
 // ---- Rotary embedding ---------------------------------------------------------------------------
 
-// x [T, H, D] rotated in its first `rd` channels by bf16 cos/sin [T, 1, rd] (halves: HF's rotate_half,
-// the tables repeated per half) or [T, 1, rd / 2] (interleaved pairs), each product and the sum rounded
-// to bf16 as the torch ops round them.
 }  // namespace
 
 namespace edgeinfer_cpu {
 
+// x [T, H, D] rotated in its first `rd` channels by bf16 cos/sin [T, 1, rd] (halves: HF's rotate_half,
+// the tables repeated per half) or [T, 1, rd / 2] (interleaved pairs), each product and the sum rounded
+// to bf16 as the torch ops round them.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rd, bool interleaved) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "rope: x must be bf16 [T, heads, dim]");
   TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16, "rope: bf16 tables");
@@ -185,12 +186,12 @@ namespace {
 
 // ---- Gated activation -------------------------------------------------------------------------------
 
-// act(gate) * up for gate_up [T, 2I] = [gate | up], through ATen's own vectorised activation: the same
-// kernels and roundings as the three torch ops, in one call from Python. `act`: 0 silu, 1 gelu (tanh).
 }  // namespace
 
 namespace edgeinfer_cpu {
 
+// act(gate) * up for gate_up [T, 2I] = [gate | up], through ATen's own vectorised activation: the same
+// kernels and roundings as the three torch ops, in one call from Python. `act`: 0 silu, 1 gelu (tanh).
 at::Tensor gated_act(const at::Tensor& gate_up, int64_t act) {
   TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
               "gated_act: gate_up must be bf16 [T, 2 * intermediate]");
@@ -209,6 +210,12 @@ namespace {
 
 struct DecodeShape {
   int64_t hq, hkv, d, dv, block_size, ctx, first;  // `first`: the first key a sliding window lets in
+};
+
+// Per-thread scratch: one sequence's K and V row pointers and attend_group's buffer.
+struct Rows {
+  std::vector<const uint16_t*> k, v;
+  std::vector<float> buf;
 };
 
 // Softmax of the fp32 scores in place, then rounded to bf16 as `probs.to(bf16)` does.
@@ -249,12 +256,35 @@ void check_pool(const at::Tensor& pool, const at::Tensor& x, const char* name) {
               name, " must be one token's bf16 [1, heads, dim] of the pool's shape");
 }
 
-// Writes k, v [1, Hkv, D] at flat `slot` of the pools, then returns the attention of q [1, Hq, D] over
-// the sequence's `ctx` tokens in `blocks` [n] (window > 0: only the last `window` keys).
+// The query heads of KV head `h` of one sequence (`q`: its query heads in fp32) over its keys
+// [s.first, s.ctx) in the blocks `ids` of the pools, where they lie -> `out` (its heads' outputs).
+void attend_head(const float* q, const uint16_t* kb, const uint16_t* vb, const int64_t* ids, const DecodeShape& s,
+                 int64_t h, float scale, c10::BFloat16* out, const Vec& vec, Rows& rows) {
+  const int64_t group = s.hq / s.hkv;
+  rows.k.resize(s.ctx - s.first);
+  rows.v.resize(s.ctx - s.first);
+  for (int64_t t = s.first; t < s.ctx; ++t) {
+    const int64_t flat = ids[t / s.block_size] * s.block_size + t % s.block_size;
+    rows.k[t - s.first] = kb + (flat * s.hkv + h) * s.d;
+    rows.v[t - s.first] = vb + (flat * s.hkv + h) * s.dv;
+  }
+  attend_group(q + h * group * s.d, group, rows.k.data(), rows.v.data(), s, scale, out + h * group * s.dv, vec,
+               rows.buf);
+}
+
+void check_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, const char* op) {
+  for (const at::Tensor* p : {&k_pool, &v_pool})
+    TORCH_CHECK(p->dim() == 4 && p->scalar_type() == at::kBFloat16 && p->is_contiguous(), op,
+                ": pools must be contiguous bf16 [blocks, block_size, heads, dim]");
+  TORCH_CHECK(k_pool.sizes().slice(0, 3) == v_pool.sizes().slice(0, 3), op, ": K and V pools of different shapes");
+}
+
 }  // namespace
 
 namespace edgeinfer_cpu {
 
+// Writes k, v [1, Hkv, D] at flat `slot` of the pools, then returns the attention of q [1, Hq, D] over
+// the sequence's `ctx` tokens in `blocks` [n] (window > 0: only the last `window` keys).
 at::Tensor paged_decode_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
                             at::Tensor& v_pool, int64_t slot, const at::Tensor& blocks, int64_t ctx, double scale,
                             int64_t window) {
@@ -285,16 +315,52 @@ at::Tensor paged_decode_one(const at::Tensor& q, const at::Tensor& k, const at::
   // KV heads split across threads only when the context is long enough to repay a parallel region
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(ctx * group, 1));
   at::parallel_for(0, s.hkv, grain, [&](int64_t h0, int64_t h1) {
-    std::vector<const uint16_t*> k_rows(ctx - s.first), v_rows(ctx - s.first);
-    std::vector<float> buf;
-    for (int64_t h = h0; h < h1; ++h) {
-      for (int64_t t = s.first; t < ctx; ++t) {
-        const int64_t flat = ids[t / s.block_size] * s.block_size + t % s.block_size;
-        k_rows[t - s.first] = kb + (flat * s.hkv + h) * s.d;
-        v_rows[t - s.first] = vb + (flat * s.hkv + h) * s.dv;
-      }
-      attend_group(qf.data_ptr<float>() + h * group * s.d, group, k_rows.data(), v_rows.data(), s,
-                   static_cast<float>(scale), out.data_ptr<at::BFloat16>() + h * group * s.dv, vec, buf);
+    Rows rows;
+    for (int64_t h = h0; h < h1; ++h)
+      attend_head(qf.data_ptr<float>(), kb, vb, ids, s, h, static_cast<float>(scale), out.data_ptr<at::BFloat16>(),
+                  vec, rows);
+  });
+  return out;
+}
+
+// One query token per sequence, q [B, Hq, D], its K/V already written, attended over each sequence's
+// `ctx_lens[b]` tokens in row b of `block_tables` [B, n] where they lie (window > 0: only the last
+// `window` keys): what the torch path computes from a gather of every sequence's blocks, one task per
+// (sequence, KV head) instead.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale, int64_t window) {
+  check_pools(k_pool, v_pool, "paged_decode");
+  const int64_t batch = q.size(0), block_size = k_pool.size(1);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) == k_pool.size(3) &&
+                  q.size(1) % k_pool.size(2) == 0,
+              "paged_decode: q must be bf16 [B, heads, head_dim], heads a multiple of the pools' KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == batch,
+              "paged_decode: block_tables must be int64 [B, n]");
+  TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.dim() == 1 && ctx_lens.size(0) == batch,
+              "paged_decode: ctx_lens must be int64 [B]");
+  const at::Tensor tables = block_tables.contiguous(), lens = ctx_lens.contiguous();
+  const int64_t width = tables.size(1), *ids = tables.data_ptr<int64_t>(), *ctx = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(ctx[b] >= 1 && ctx[b] <= width * block_size, "paged_decode: ", width, " blocks cannot hold ",
+                ctx[b], " tokens");
+    for (int64_t i = 0; i * block_size < ctx[b]; ++i)
+      TORCH_CHECK(ids[b * width + i] >= 0 && ids[b * width + i] < k_pool.size(0), "paged_decode: block id ",
+                  ids[b * width + i], " out of range");
+  }
+  const auto* kb = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>());
+  const auto* vb = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  const int64_t hq = q.size(1), hkv = k_pool.size(2), dv = v_pool.size(3);
+  auto out = at::empty({batch, hq, dv}, q.options());
+  const Vec vec = pick();
+  at::parallel_for(0, batch * hkv, 1, [&](int64_t t0, int64_t t1) {
+    Rows rows;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / hkv, h = t % hkv;
+      const DecodeShape s{hq, hkv, k_pool.size(3), dv, block_size, ctx[b],
+                          window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0};
+      attend_head(qf.data_ptr<float>() + b * hq * s.d, kb, vb, ids + b * width, s, h, static_cast<float>(scale),
+                  out.data_ptr<at::BFloat16>() + b * hq * dv, vec, rows);
     }
   });
   return out;
@@ -310,6 +376,9 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def(
       "paged_decode_one(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, int slot, "
       "Tensor blocks, int ctx, float scale, int window) -> Tensor");
+  m.def(
+      "paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor ctx_lens, float scale, "
+      "int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {
@@ -317,4 +386,5 @@ TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {
   m.impl("rope", edgeinfer_cpu::rope);
   m.impl("gated_act", edgeinfer_cpu::gated_act);
   m.impl("paged_decode_one", edgeinfer_cpu::paged_decode_one);
+  m.impl("paged_decode", edgeinfer_cpu::paged_decode);
 }
