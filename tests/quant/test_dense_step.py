@@ -1,5 +1,5 @@
-"""The fused one-sequence decode step (quant/kernels/dense_step.cpp, model/fused_decode.py) against the
-eager kernel path it replaces: the same kernels in the same order, so the same logits bit for bit."""
+"""The fused decode step (quant/kernels/dense_step.cpp, model/fused_decode.py) against the eager path it
+replaces: the same kernels and ATen ops in the same order, so the same logits bit for bit."""
 
 from __future__ import annotations
 
@@ -8,52 +8,71 @@ import torch
 
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
+from edgeinfer.engine.model import fused_decode
+from edgeinfer.engine.model.layers import kernel_ops
 from edgeinfer.engine.quant import kernels
+from edgeinfer.engine.quant.kernels import bf16
 from edgeinfer.types import SamplingParams
 
-PROMPTS = [[3, 14, 15, 92, 65], list(range(4, 26))]  # the second spans two KV blocks of 16
+# the second spans two KV blocks of 16; together they make decode steps of 4 sequences
+PROMPTS = [[3, 14, 15, 92, 65], list(range(4, 26)), [7] * 9, list(range(100, 140))]
+MAX_TOKENS = 12
 
 
 def _engine(model: str, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_kv_blocks=64, **overrides))
 
 
-def _decode(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
-    """Greedy answers with their logprobs, one request at a time (each decode step has one sequence)."""
-    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+def _decode(engine: LLMEngine, together: bool) -> list[tuple[list[int], list[float]]]:
+    """Greedy answers with their logprobs: one request at a time, or all at once (batched decodes)."""
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+    done = engine.generate(PROMPTS, sp) if together else [engine.generate([p], sp)[0] for p in PROMPTS]
     out = []
-    for prompt in PROMPTS:
-        (c,) = engine.generate([prompt], sp)
+    for c in done:
         lps = [lp for o in c.outputs for lp in o.logprobs]
-        assert len(lps) == sp.max_tokens
+        assert len(lps) == MAX_TOKENS
         out.append(([t.token_id for t in lps], [t.logprob for t in lps] + [p for t in lps for _, p in t.top]))
     return out
 
 
+@pytest.fixture(params=["default", "narrow"])
+def limits(request, monkeypatch) -> str:
+    """The eager path's limits as they are, or so small that a batch of 4 crosses both: products of more
+    than one row go to torch's GEMM, inputs of more than 64 values to torch's norm and rotation."""
+    if request.param == "narrow":
+        for module, name, value in (
+            (bf16, "GEMV_ROWS", 1),
+            (fused_decode, "GEMV_ROWS", 1),
+            (kernel_ops, "MAX_ELEMENTS", 64),
+            (fused_decode, "MAX_ELEMENTS", 64),
+        ):
+            monkeypatch.setattr(module, name, value)
+    return request.param
+
+
 @pytest.mark.parametrize("quantization", [None, "int4"], ids=["bf16", "int4"])
 @pytest.mark.parametrize("family", ["gemma3", "qwen3", "llama", "llama_bias"])
-def test_fused_step_decodes_as_the_eager_kernels_bit_for_bit(level, tiny_models, family, quantization):
+def test_fused_step_decodes_as_the_eager_path_bit_for_bit(level, tiny_models, family, quantization, limits):
     if not kernels.cpu_has_avx2():
         pytest.skip("bf16 models keep torch's kernels without AVX2")
     engine = _engine(tiny_models[family], quantization=quantization)
     fused = engine.runner.fused
     assert fused is not None, "every layer of this model runs on our kernels: the fused step takes it"
-    calls = 0
+    rows: list[int] = []
 
-    def counted(*args):
-        nonlocal calls
-        calls += 1
-        return fused(*args)
+    def counted(ids, positions, meta):
+        rows.append(len(ids))
+        return fused(ids, positions, meta)
 
     engine.runner.fused = counted
-    with_fused = _decode(engine)
-    assert calls == len(PROMPTS) * 11  # every decode step after each prompt's prefill
+    with_fused = [_decode(engine, together) for together in (False, True)]
+    assert rows.count(1) >= len(PROMPTS) * (MAX_TOKENS - 1) and max(rows) == len(PROMPTS)
     engine.runner.fused = None
-    assert _decode(engine) == with_fused
+    assert [_decode(engine, together) for together in (False, True)] == with_fused
 
 
 def test_models_outside_the_kernels_keep_the_eager_step(ops, tiny_models):
-    # a quantized KV cache: the decode op attends over plain bf16 blocks only
+    # a quantized KV cache: the decode ops attend over plain bf16 blocks only
     assert _engine(tiny_models["llama"], kv_cache_dtype="int8").runner.fused is None
     # int8 weights multiply through another kernel the step does not call
     assert _engine(tiny_models["llama"], quantization="int8").runner.fused is None
@@ -63,7 +82,8 @@ def test_models_outside_the_kernels_keep_the_eager_step(ops, tiny_models):
 
 def test_fused_step_refuses_inputs_it_cannot_run(ops):
     step = torch.classes.edgeinfer_cpu.DenseDecodeStep()
-    with pytest.raises(RuntimeError, match="no tensor 'input_norm'"):
+    with pytest.raises(RuntimeError, match="no number 'gemv_rows'"):
         step.add_layer({}, {})
-    with pytest.raises(RuntimeError, match="one bf16 row"):
-        step.run(torch.zeros(2, 8, dtype=torch.bfloat16), [], [], 0, torch.zeros(1, dtype=torch.long), 1)
+    with pytest.raises(RuntimeError, match="bf16"):
+        slots = torch.zeros(2, dtype=torch.long)
+        step.run(torch.zeros(2, 8), [], [], slots, torch.zeros(2, 1), torch.ones(2))

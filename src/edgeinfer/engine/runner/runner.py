@@ -55,8 +55,8 @@ class ModelRunner:
         self.storage = storage
         self.device = device
         self.backend = get_attention_backend(backend, storage)
-        # one-sequence decode steps through one C++ call where every layer runs on our kernels anyway;
-        # a compiled graph takes those steps instead when asked for
+        # decode steps through one C++ call where every layer runs on our kernels anyway; a compiled
+        # graph takes the one-sequence steps instead when asked for
         self.fused: FusedDenseDecode | None = None
         if decode_ops:  # the model runs on our CPU kernels, so they are built and loaded
             use_decode_ops(model)
@@ -78,10 +78,11 @@ class ModelRunner:
         inp = build_inputs(sched.chunks, self.storage.block_size, self.device)
         pending_masks = self.grammar.start_masks(inp.sample_chunks) if self.grammar is not None else None
         self.backend.begin(inp.attn)
-        single_decode = inp.attn.num_decodes == inp.attn.num_seqs == 1
+        all_decode = inp.attn.num_decodes == inp.attn.num_seqs
         if self.compiled is not None:
+            single_decode = all_decode and inp.attn.num_seqs == 1
             hidden = self.compiled(inp.input_ids, inp.positions, self.backend, single_decode)
-        elif self.fused is not None and single_decode:
+        elif self.fused is not None and all_decode:
             hidden = self.fused(inp.input_ids, inp.positions, inp.attn)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.backend)

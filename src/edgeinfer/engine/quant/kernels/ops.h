@@ -13,9 +13,8 @@ namespace edgeinfer_cpu {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool round_first);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rd, bool interleaved);
 at::Tensor gated_act(const at::Tensor& gate_up, int64_t act);
-at::Tensor paged_decode_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pool,
-                            at::Tensor& v_pool, int64_t slot, const at::Tensor& blocks, int64_t ctx, double scale,
-                            int64_t window);
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale, int64_t window);
 
 // bf16_gemv.cpp
 void bf16_gemv_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
