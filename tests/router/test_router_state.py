@@ -35,7 +35,7 @@ def _send(state: FleetState, config: PolicyConfig, rng: random.Random) -> str | 
     decision = decide(state.snapshot(), REQUEST, rng, config)
     if decision.best is None:
         return None
-    state.nodes[decision.best.node_id].sent_since_status += 1
+    state.nodes[decision.best.node_id].sent()
     return decision.best.node_id
 
 
@@ -57,3 +57,24 @@ def test_a_new_status_replaces_the_count():
     state.update(NodeStatus("a", "FRA", ("m",), ("m",), capacity=2, running=2))
     depths = {n.node_id: (n.running, n.queue_depth) for n in state.snapshot().nodes}
     assert depths == {"a": (2, 0), "b": (2, 0)}
+
+
+def test_a_request_that_ends_before_the_next_status_leaves_the_count():
+    state = _state()
+    view = state.nodes["a"]
+    # two short requests one after the other, both over before "a" reports again: "a" is idle
+    for _ in range(2):
+        view.finished(view.sent())
+    assert [(n.running, n.queue_depth) for n in state.snapshot().nodes if n.node_id == "a"] == [(0, 0)]
+    # one still running when the next status comes: that status counts it, so its end changes nothing
+    counted = view.sent()
+    later = view.sent()
+    state.update(NodeStatus("a", "FRA", ("m",), ("m",), capacity=2, running=1))
+    view.finished(counted)
+    assert view.sent_since_status == 0
+    # a request sent after that status is the router's to count until it ends
+    after = view.sent()
+    view.finished(later)  # counted against the old status: not this one's
+    assert view.sent_since_status == 1
+    view.finished(after)
+    assert view.sent_since_status == 0

@@ -94,22 +94,26 @@ class Forwarder:
             if tried:
                 self.metrics.retries.inc()
             tried += 1
-            view.sent_since_status += 1
+            counted = view.sent()
             try:
-                return await until_disconnect(request, self._attempt(view, job))
+                return await until_disconnect(request, self._attempt(view, job, counted))
             except ClientDisconnected:
+                view.finished(counted)
                 view.breaker.release()
                 self.metrics.count(view.entry, "client_closed")
                 return Response(status_code=STATUS_CLIENT_CLOSED)
             except NodeAnswer as answer:
+                view.finished(counted)
                 last = answer
             except TimeoutError:
+                view.finished(counted)
                 view.breaker.failure()
                 self.metrics.count(view.entry, "timeout")
                 raise ApiError(
                     504, "no node answered before the deadline", type="timeout", code="timeout"
                 ) from None
             except httpx.HTTPError as exc:
+                view.finished(counted)
                 view.breaker.failure()
                 self.metrics.count(view.entry, "unreachable")
                 logger.warning("node %s failed before the first byte: %r", view.entry.node_id, exc)
@@ -117,7 +121,7 @@ class Forwarder:
             return Response(last.body, status_code=last.status, headers=last.headers)
         raise unavailable("no node could take the request; retry shortly", retry_after=1.0)
 
-    async def _attempt(self, view: NodeView, job: Forward) -> Response:
+    async def _attempt(self, view: NodeView, job: Forward, counted: int) -> Response:
         entry = view.entry
         await self._emulate_one_way(job, job.client_location, entry.location)
         remaining = job.started + self.config.first_byte_timeout_s - time.monotonic()
@@ -146,7 +150,7 @@ class Forwarder:
         def headers_sent() -> None:
             self.metrics.added.observe(time.monotonic() - job.started - node_s - job.emulated_s)
 
-        return RelayResponse(response, view, headers, headers_sent)
+        return RelayResponse(response, view, headers, headers_sent, lambda: view.finished(counted))
 
     async def _emulate_one_way(self, job: Forward, a: str, b: str) -> None:
         if self.config.emulate_rtt:
@@ -158,7 +162,7 @@ class Forwarder:
 class RelayResponse(StreamingResponse):
     """Passes the node's body through chunk by chunk; closes the node's response however it ends
     (closing it mid-stream drops that connection, which is how the node learns the client left).
-    `on_start` runs when the response headers go to the client."""
+    `on_start` runs when the response headers go to the client, `on_end` when the relay ends."""
 
     def __init__(
         self,
@@ -166,10 +170,12 @@ class RelayResponse(StreamingResponse):
         view: NodeView,
         headers: dict[str, str],
         on_start: Callable[[], None],
+        on_end: Callable[[], None],
     ) -> None:
         super().__init__(_chunks(upstream, view), status_code=upstream.status_code, headers=headers)
         self._upstream = upstream
         self._on_start = on_start
+        self._on_end = on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def watched(message: Message) -> None:
@@ -180,6 +186,7 @@ class RelayResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, watched)
         finally:
+            self._on_end()
             with contextlib.suppress(Exception):
                 await self._upstream.aclose()
 

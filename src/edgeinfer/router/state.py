@@ -6,7 +6,10 @@ monotonic clock from when a status *arrived*, so node clocks need not agree with
 Between two statuses (100 ms apart) a busy router forwards several requests, and every one of them would see
 the same snapshot and pick the same cheapest node. So the router counts what it has sent to each node since
 that node's last status and adds it to what the node said (into its free slots first, the rest as queued);
-the next status, which counts them itself, starts the count again.
+the next status, which counts them itself, starts the count again. A request that ends before that status
+arrives is in no status at all, so it leaves the count when it ends: otherwise a few short requests in a
+row would make an idle node look full until its next status (measured: a session's owner lost its
+affinity to a second node after two 4-token completions within one status interval).
 """
 
 from __future__ import annotations
@@ -30,7 +33,19 @@ class NodeView:
     breaker: CircuitBreaker
     status: NodeStatus | None = None
     received_at: float = float("-inf")
-    sent_since_status: int = 0  # requests this router forwarded after `status` arrived
+    sent_since_status: int = 0  # requests this router forwarded after `status` arrived, still running
+    statuses: int = 0  # how many statuses arrived: which one a forwarded request was counted against
+
+    def sent(self) -> int:
+        """Count a request forwarded now; returns what `finished` takes when it ends."""
+        self.sent_since_status += 1
+        return self.statuses
+
+    def finished(self, counted_against: int) -> None:
+        """A forwarded request ended: if no status arrived since it was sent, no status counts it, and
+        neither may the router any longer."""
+        if counted_against == self.statuses and self.sent_since_status > 0:
+            self.sent_since_status -= 1
 
 
 class FleetState:
@@ -55,6 +70,7 @@ class FleetState:
         view.status = status
         view.received_at = self.clock()
         view.sent_since_status = 0
+        view.statuses += 1
 
     def snapshot(self) -> Snapshot:
         """The policy's view: nodes that reported at least once, located where the fleet file says."""
