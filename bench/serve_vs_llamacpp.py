@@ -2,6 +2,7 @@
 
     python bench/serve_vs_llamacpp.py --precision int4                  # concurrency 1, 8, 32, 64
     python bench/serve_vs_llamacpp.py --batch-window-sweep --rates 2 4 8
+    python bench/serve_vs_llamacpp.py --precision bf16 --paired-rounds 5  # one stream, servers alternating
 
 The servers run one after the other on 127.0.0.1 (never both at once: they would share the cores), with the
 same thread count. Each concurrency level sends `max(min_prompts, prompts_per_slot * C)` random prompts of
@@ -9,6 +10,11 @@ fixed input and output length (ignore_eos), capped at C in flight; its prompts a
 hits the prefix cache of another, and both servers see exactly the same prompts. llama-server runs with -np 64
 slots and continuous batching. Results: JSON under bench/results/, a table and plots in docs/benchmarks.md
 (sections serve-bench-PRECISION-CPU, one per precision and kind of CPU: intel, amd, aarch64).
+
+`--paired-rounds N` measures one stream only, with both servers up (the idle one sleeps) and the two taking
+turns N times, each turn on fresh prompts: the memory bandwidth a shared machine leaves a single stream
+drifts by tens of percent within minutes, so the ratio of each pair is the number to read, not two runs
+minutes apart (section serve-single-PRECISION-CPU).
 """
 
 from __future__ import annotations
@@ -145,6 +151,61 @@ def compare(args: argparse.Namespace, gguf: Path) -> None:
         print(f"updated {DOCS.relative_to(REPO)}", file=sys.stderr)
 
 
+def paired_single_stream(args: argparse.Namespace, gguf: Path) -> None:
+    """One stream on each server in turn, `args.paired_rounds` times, both servers up throughout."""
+    work = Workload(args.input_len, args.output_len, min_prompts=args.min_prompts, seed=args.seed)
+    load_before = os.getloadavg()[0]
+    peer = peers.peer_gguf(args.precision, gguf)
+    rounds: list[dict[str, Summary]] = []
+    with (
+        peers.llama_server(peer, args.port, n_parallel=1, ctx=args.ctx, threads=args.threads) as llama,
+        our_server(args.model, args.port + 1, _our_args(args), args.threads) as ours,
+    ):
+        for r in range(args.paired_rounds):
+            seed = work.seed + 1000 * (r + 1)  # fresh prompts each turn: no prefix-cache hits
+            rounds.append({label: bench_level(server, work, work.min_prompts, seed, 1)
+                           for label, server in (("llama.cpp", llama), ("edgeinfer", ours))})  # fmt: skip
+    kind = f"{args.precision}-{peers.cpu_family()}"
+    doc = [{label: s.to_dict() for label, s in pair.items()} for pair in rounds]
+    write_json(RESULTS / f"serve_single-{kind}.json", doc)
+    if args.write_docs:
+        load = (load_before, os.getloadavg()[0])
+        replace_section(DOCS, f"serve-single-{kind}", _paired_doc(args, rounds, peer.name, load))
+        print(f"updated {DOCS.relative_to(REPO)}", file=sys.stderr)
+
+
+def _paired_doc(
+    args: argparse.Namespace, rounds: list[dict[str, Summary]], peer_file: str, load: tuple[float, float]
+) -> str:
+    rows = ["| turn | llama.cpp decode tok/s | edgeinfer decode tok/s | ratio | llama.cpp TTFT p50 ms | "
+            "edgeinfer TTFT p50 ms |", "|---|---|---|---|---|---|"]  # fmt: skip
+    ratios = []
+    for i, pair in enumerate(rounds, 1):
+        peer, ours = pair["llama.cpp"], pair["edgeinfer"]
+        a, b = serve_report.decode_tok_s(ours), serve_report.decode_tok_s(peer)
+        ratios.append(a / b)
+        rows.append(f"| {i} | {b:.1f} | {a:.1f} | {a / b:.2f}× | {peer.ttft_ms.median:.1f} | "
+                    f"{ours.ttft_ms.median:.1f} |")  # fmt: skip
+    ratios.sort()
+    return "\n".join([
+        f"### One stream, servers taking turns: edgeinfer vs llama.cpp, {args.precision} class, "
+        f"{peers.cpu_family()} CPU",
+        "",
+        f"Machine: {serve_report.machine_info()}; both servers up, {_threads(args.threads)} each, one "
+        f"measured at a time; 1-min load average {load[0]:.1f} before, {load[1]:.1f} after.",
+        f"llama.cpp: llama-server {llama_version()}, `{peer_file}`; edgeinfer: "
+        f"`edgeinfer serve {shlex.join(_our_args(args))}`.",
+        f"Workload per turn: {args.min_prompts} requests one at a time, random prompts of {args.input_len} "
+        f"tokens, {args.output_len} output tokens (ignore_eos), fresh prompts every turn.",
+        f"Command: `python bench/serve_vs_llamacpp.py {shlex.join(sys.argv[1:])}`",
+        "",
+        *rows,
+        "",
+        f"Median ratio of the turns: {ratios[len(ratios) // 2]:.2f}× "
+        f"(range {ratios[0]:.2f}–{ratios[-1]:.2f}×).",
+    ])  # fmt: skip
+
+
 def _comparison_doc(
     args: argparse.Namespace, results: serve_report.Results, plot: Path, gguf: Path, load: tuple[float, float]
 ) -> str:
@@ -226,6 +287,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--no-docs", dest="write_docs", action="store_false", help="leave docs/benchmarks.md alone"
     )
+    p.add_argument("--paired-rounds", type=int, default=0, help="one stream, servers taking turns N times")
     p.add_argument("--batch-window-sweep", action="store_true")
     p.add_argument("--windows", type=float, nargs="+", default=[0, 2, 5, 10])
     p.add_argument("--rates", type=float, nargs="+", default=[2, 4, 8])
@@ -244,7 +306,10 @@ def main() -> int:
     if not args.skip_llama:
         peers.build()
     gguf = args.gguf or resolve_default_model()
-    compare(args, gguf)
+    if args.paired_rounds:
+        paired_single_stream(args, gguf)
+    else:
+        compare(args, gguf)
     return 0
 
 

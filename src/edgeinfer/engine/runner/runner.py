@@ -9,6 +9,7 @@ from torch import nn
 
 from edgeinfer.engine.attention.backend import get_attention_backend
 from edgeinfer.engine.attention.storage import KVCacheStorage
+from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
 from edgeinfer.engine.model.compile import DecodeCompiledForward
 from edgeinfer.engine.model.fused_decode import FusedDenseDecode, fused_dense_decode
 from edgeinfer.engine.quant.kernels.decode import use_decode_ops
@@ -61,7 +62,9 @@ class ModelRunner:
         if decode_ops:  # the model runs on our CPU kernels, so they are built and loaded
             use_decode_ops(model)
             self.backend.decode_ops = True
-            self.fused = None if compile else fused_dense_decode(model, storage)
+            # the fused step attends as the torch backend's decode ops do: never in place of another
+            fuses = not compile and isinstance(self.backend, TorchPagedBackend)
+            self.fused = fused_dense_decode(model, storage) if fuses else None
         self.sampler = Sampler(vocab_limit)
         self.grammar = GrammarRuntime(guidance_tokenizer) if guidance_tokenizer is not None else None
         self.num_steps = 0

@@ -193,8 +193,6 @@ class DenseDecodeStep : public torch::CustomClassHolder {
     layers_.push_back(std::move(l));
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   // x [T, hidden] bf16 (the scaled embeddings of T decoding sequences' new tokens) -> the last layer's
   // output; `cos[i]` / `sin[i]`: the step's bf16 tables of rope i, as RotaryEmbedding gathers them;
   // `slots` [T]: the new tokens' flat cache slots; `block_tables` [T, n] and `ctx_lens` [T] (int64): the
@@ -224,6 +222,5 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.class_<DenseDecodeStep>("DenseDecodeStep")
       .def(torch::init<>())
       .def("add_layer", &DenseDecodeStep::add_layer)
-      .def("num_layers", &DenseDecodeStep::num_layers)
       .def("run", &DenseDecodeStep::run);
 }
