@@ -136,15 +136,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   return out;
 }
 
-}  // namespace edgeinfer_cpu
-
-namespace {
-
 // ---- Rotary embedding ---------------------------------------------------------------------------
-
-}  // namespace
-
-namespace edgeinfer_cpu {
 
 // x [T, H, D] rotated in its first `rd` channels by bf16 cos/sin [T, 1, rd] (halves: HF's rotate_half,
 // the tables repeated per half) or [T, 1, rd / 2] (interleaved pairs), each product and the sum rounded
@@ -180,15 +172,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
-}  // namespace edgeinfer_cpu
-
-namespace {
-
 // ---- Gated activation -------------------------------------------------------------------------------
-
-}  // namespace
-
-namespace edgeinfer_cpu {
 
 // act(gate) * up for gate_up [T, 2I] = [gate | up], through ATen's own vectorised activation: the same
 // kernels and roundings as the three torch ops, in one call from Python. `act`: 0 silu, 1 gelu (tanh).
@@ -206,7 +190,7 @@ at::Tensor gated_act(const at::Tensor& gate_up, int64_t act) {
 
 namespace {
 
-// ---- Paged decode attention, one sequence ---------------------------------------------------------
+// ---- Paged decode attention ------------------------------------------------------------------------
 
 struct DecodeShape {
   int64_t hq, hkv, d, dv, block_size, ctx, first;  // `first`: the first key a sliding window lets in
@@ -367,7 +351,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
 }
 
 }  // namespace edgeinfer_cpu
-
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool round_first) -> Tensor");
