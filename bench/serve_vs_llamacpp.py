@@ -193,7 +193,7 @@ def _paired_doc(
         "",
         f"Machine: {serve_report.machine_info()}; both servers up, {_threads(args.threads)} each, one "
         f"measured at a time; 1-min load average {load[0]:.1f} before, {load[1]:.1f} after.",
-        f"llama.cpp: llama-server {llama_version()}, `{peer_file}`; edgeinfer: "
+        f"llama.cpp: llama-server {llama_version()}, `{peer_file}`, `-np 1` (one slot); edgeinfer: "
         f"`edgeinfer serve {shlex.join(_our_args(args))}`.",
         f"Workload per turn: {args.min_prompts} requests one at a time, random prompts of {args.input_len} "
         f"tokens, {args.output_len} output tokens (ignore_eos), fresh prompts every turn.",
