@@ -94,26 +94,21 @@ class Forwarder:
             if tried:
                 self.metrics.retries.inc()
             tried += 1
-            counted = view.sent()
             try:
-                return await until_disconnect(request, self._attempt(view, job, counted))
+                return await until_disconnect(request, self._counted_attempt(view, job))
             except ClientDisconnected:
-                view.finished(counted)
                 view.breaker.release()
                 self.metrics.count(view.entry, "client_closed")
                 return Response(status_code=STATUS_CLIENT_CLOSED)
             except NodeAnswer as answer:
-                view.finished(counted)
                 last = answer
             except TimeoutError:
-                view.finished(counted)
                 view.breaker.failure()
                 self.metrics.count(view.entry, "timeout")
                 raise ApiError(
                     504, "no node answered before the deadline", type="timeout", code="timeout"
                 ) from None
             except httpx.HTTPError as exc:
-                view.finished(counted)
                 view.breaker.failure()
                 self.metrics.count(view.entry, "unreachable")
                 logger.warning("node %s failed before the first byte: %r", view.entry.node_id, exc)
@@ -121,7 +116,16 @@ class Forwarder:
             return Response(last.body, status_code=last.status, headers=last.headers)
         raise unavailable("no node could take the request; retry shortly", retry_after=1.0)
 
-    async def _attempt(self, view: NodeView, job: Forward, counted: int) -> Response:
+    async def _counted_attempt(self, view: NodeView, job: Forward) -> Response:
+        """`_attempt`, counted in the node's view (state.py) until its answer is relayed or it fails."""
+        counted = view.sent()
+        try:
+            return await self._attempt(view, job, lambda: view.finished(counted))
+        except BaseException:  # no answer to relay (cancelled by a disconnect too): the request is over
+            view.finished(counted)
+            raise
+
+    async def _attempt(self, view: NodeView, job: Forward, on_end: Callable[[], None]) -> Response:
         entry = view.entry
         await self._emulate_one_way(job, job.client_location, entry.location)
         remaining = job.started + self.config.first_byte_timeout_s - time.monotonic()
@@ -150,7 +154,7 @@ class Forwarder:
         def headers_sent() -> None:
             self.metrics.added.observe(time.monotonic() - job.started - node_s - job.emulated_s)
 
-        return RelayResponse(response, view, headers, headers_sent, lambda: view.finished(counted))
+        return RelayResponse(response, view, headers, headers_sent, on_end)
 
     async def _emulate_one_way(self, job: Forward, a: str, b: str) -> None:
         if self.config.emulate_rtt:
