@@ -81,8 +81,8 @@ def test_models_outside_the_kernels_keep_the_eager_step(ops, tiny_models):
 
 
 def test_fused_step_refuses_inputs_it_cannot_run(ops):
-    step = torch.classes.edgeinfer_cpu.DenseDecodeStep()
-    with pytest.raises(RuntimeError, match="no number 'gemv_rows'"):
+    step = torch.classes.edgeinfer_cpu.DenseDecodeStep(bf16.GEMV_ROWS, kernel_ops.MAX_ELEMENTS)
+    with pytest.raises(RuntimeError, match="no tensor 'input_norm'"):
         step.add_layer({}, {})
     with pytest.raises(RuntimeError, match="bf16"):
         slots = torch.zeros(2, dtype=torch.long)

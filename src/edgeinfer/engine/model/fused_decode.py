@@ -63,7 +63,8 @@ def fused_dense_decode(model: nn.Module, storage: KVCacheStorage) -> FusedDenseD
         if described is None:
             return None
         layers.append(described)
-    step = torch.classes.edgeinfer_cpu.DenseDecodeStep()
+    # where the eager path hands products to torch's GEMM and small ops to torch's kernels
+    step = torch.classes.edgeinfer_cpu.DenseDecodeStep(GEMV_ROWS, MAX_ELEMENTS)
     for tensors, numbers in layers:
         step.add_layer(tensors, numbers)
     return FusedDenseDecode(model, step, ropes)
@@ -119,9 +120,6 @@ def _describe(
         "scale": attn.scale,
         "window": shape.window or 0,
         "act": mlp.act_code,
-        # where the eager path hands products to torch's GEMM and small ops to torch's kernels
-        "gemv_rows": GEMV_ROWS,
-        "max_elements": MAX_ELEMENTS,
     }
     return tensors, numbers
 

@@ -156,15 +156,17 @@ struct Layer {
 
 class DenseDecodeStep : public torch::CustomClassHolder {
  public:
+  // The eager path's limits (Limits): products of more rows than `gemv_rows` go to ATen's linear, inputs
+  // of more than `max_elements` values to ATen's norm and rotation.
+  DenseDecodeStep(int64_t gemv_rows, int64_t max_elements) : limits_{gemv_rows, max_elements} {}
+
   // Tensors: the norms' weights (`input_norm`, `post_attention_norm`, with Gemma's sandwich also
   // `pre_feedforward_norm` and `post_feedforward_norm`, with QK-norm `q_norm` and `k_norm`), the linears
   // `qkv`, `o`, `gate_up`, `down` (`<name>.weight`, or `<name>.codes` / `.scales` / `.zero_terms`, and an
   // optional `<name>.bias`), the layer's `k_pool` and `v_pool`. Numbers: `<norm>.eps`, `<norm>.round_first`,
   // `<linear>.group` for int4, `heads`, `kv_heads`, `head_dim`, `rope` (which of `run`'s tables),
-  // `rotary_dim`, `interleaved`, `scale`, `window` (0: global), `act` (gated_act's code), and the
-  // model-wide `gemv_rows` and `max_elements` (Limits).
+  // `rotary_dim`, `interleaved`, `scale`, `window` (0: global), `act` (gated_act's code).
   void add_layer(Tensors t, Numbers c) {
-    limits_ = {static_cast<int64_t>(number(c, "gemv_rows")), static_cast<int64_t>(number(c, "max_elements"))};
     Layer l;
     l.sandwich = t.contains("pre_feedforward_norm");
     l.qk_norm = t.contains("q_norm");
@@ -220,7 +222,7 @@ class DenseDecodeStep : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.class_<DenseDecodeStep>("DenseDecodeStep")
-      .def(torch::init<>())
+      .def(torch::init<int64_t, int64_t>())
       .def("add_layer", &DenseDecodeStep::add_layer)
       .def("run", &DenseDecodeStep::run);
 }
