@@ -263,6 +263,45 @@ void check_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, const char*
   TORCH_CHECK(k_pool.sizes().slice(0, 3) == v_pool.sizes().slice(0, 3), op, ": K and V pools of different shapes");
 }
 
+// Each of `batch` sequences' `ctx[b]` tokens fits its row of `ids` [batch, width], and every block id it
+// reads is a block of the pool.
+void check_tables(const int64_t* ids, int64_t width, const int64_t* ctx, int64_t batch, int64_t block_size,
+                  int64_t pool_blocks, const char* op) {
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(ctx[b] >= 1 && ctx[b] <= width * block_size, op, ": ", width, " blocks cannot hold ", ctx[b],
+                " tokens");
+    for (int64_t i = 0; i * block_size < ctx[b]; ++i)
+      TORCH_CHECK(ids[b * width + i] >= 0 && ids[b * width + i] < pool_blocks, op, ": block id ",
+                  ids[b * width + i], " out of range");
+  }
+}
+
+// q [B, Hq, D], the new tokens' K/V already in the pools, attended over sequence b's `ctx[b]` tokens in
+// row b of `ids` [B, width] (window > 0: only the last `window` keys), one task per (sequence, KV head).
+at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const int64_t* ids, int64_t width, const int64_t* ctx, double scale, int64_t window) {
+  const int64_t batch = q.size(0), hq = q.size(1), hkv = k_pool.size(2), dv = v_pool.size(3);
+  const auto* kb = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>());
+  const auto* vb = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  auto out = at::empty({batch, hq, dv}, q.options());
+  const Vec vec = pick();
+  // tasks split across threads only when the contexts are long enough to repay a parallel region
+  const int64_t longest = *std::max_element(ctx, ctx + batch);
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(longest * (hq / hkv), 1));
+  at::parallel_for(0, batch * hkv, grain, [&](int64_t t0, int64_t t1) {
+    Rows rows;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / hkv, h = t % hkv;
+      const DecodeShape s{hq, hkv, k_pool.size(3), dv, k_pool.size(1), ctx[b],
+                          window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0};
+      attend_head(qf.data_ptr<float>() + b * hq * s.d, kb, vb, ids + b * width, s, h, static_cast<float>(scale),
+                  out.data_ptr<at::BFloat16>() + b * hq * dv, vec, rows);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 namespace edgeinfer_cpu {
@@ -277,34 +316,16 @@ at::Tensor paged_decode_one(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(0) == 1 && q.size(2) == k_pool.size(3),
               "paged_decode_one: q must be bf16 [1, heads, head_dim]");
   TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 1, "paged_decode_one: blocks must be int64 [n]");
-  const DecodeShape s{q.size(1), k_pool.size(2), k_pool.size(3), v_pool.size(3), k_pool.size(1), ctx,
-                      window > 0 ? std::max<int64_t>(0, ctx - window) : 0};
-  TORCH_CHECK(s.hq % s.hkv == 0, "paged_decode_one: query heads must be a multiple of KV heads");
-  TORCH_CHECK(ctx >= 1 && blocks.size(0) * s.block_size >= ctx, "paged_decode_one: ", blocks.size(0),
-              " blocks cannot hold ", ctx, " tokens");
-  TORCH_CHECK(slot >= 0 && slot < k_pool.size(0) * s.block_size, "paged_decode_one: slot out of range");
-  const auto* kb = reinterpret_cast<uint16_t*>(k_pool.data_ptr<at::BFloat16>());
-  const auto* vb = reinterpret_cast<uint16_t*>(v_pool.data_ptr<at::BFloat16>());
-  std::memcpy(k_pool.data_ptr<at::BFloat16>() + slot * s.hkv * s.d, k.contiguous().data_ptr<at::BFloat16>(),
-              s.hkv * s.d * 2);
-  std::memcpy(v_pool.data_ptr<at::BFloat16>() + slot * s.hkv * s.dv, v.contiguous().data_ptr<at::BFloat16>(),
-              s.hkv * s.dv * 2);
-  const int64_t* ids = blocks.data_ptr<int64_t>();
-  for (int64_t b = 0; b * s.block_size < ctx; ++b)
-    TORCH_CHECK(ids[b] >= 0 && ids[b] < k_pool.size(0), "paged_decode_one: block id ", ids[b], " out of range");
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
-  auto out = at::empty({1, s.hq, s.dv}, q.options());
-  const Vec vec = pick();
-  const int64_t group = s.hq / s.hkv;
-  // KV heads split across threads only when the context is long enough to repay a parallel region
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(ctx * group, 1));
-  at::parallel_for(0, s.hkv, grain, [&](int64_t h0, int64_t h1) {
-    Rows rows;
-    for (int64_t h = h0; h < h1; ++h)
-      attend_head(qf.data_ptr<float>(), kb, vb, ids, s, h, static_cast<float>(scale), out.data_ptr<at::BFloat16>(),
-                  vec, rows);
-  });
-  return out;
+  const int64_t hkv = k_pool.size(2), block_size = k_pool.size(1);
+  TORCH_CHECK(q.size(1) % hkv == 0, "paged_decode_one: query heads must be a multiple of KV heads");
+  const at::Tensor table = blocks.contiguous();
+  check_tables(table.data_ptr<int64_t>(), table.size(0), &ctx, 1, block_size, k_pool.size(0), "paged_decode_one");
+  TORCH_CHECK(slot >= 0 && slot < k_pool.size(0) * block_size, "paged_decode_one: slot out of range");
+  std::memcpy(k_pool.data_ptr<at::BFloat16>() + slot * hkv * k_pool.size(3), k.contiguous().data_ptr<at::BFloat16>(),
+              hkv * k_pool.size(3) * 2);
+  std::memcpy(v_pool.data_ptr<at::BFloat16>() + slot * hkv * v_pool.size(3), v.contiguous().data_ptr<at::BFloat16>(),
+              hkv * v_pool.size(3) * 2);
+  return attend_sequences(q, k_pool, v_pool, table.data_ptr<int64_t>(), table.size(0), &ctx, scale, window);
 }
 
 // One query token per sequence, q [B, Hq, D], its K/V already written, attended over each sequence's
@@ -314,7 +335,7 @@ at::Tensor paged_decode_one(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale, int64_t window) {
   check_pools(k_pool, v_pool, "paged_decode");
-  const int64_t batch = q.size(0), block_size = k_pool.size(1);
+  const int64_t batch = q.size(0);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) == k_pool.size(3) &&
                   q.size(1) % k_pool.size(2) == 0,
               "paged_decode: q must be bf16 [B, heads, head_dim], heads a multiple of the pools' KV heads");
@@ -322,32 +343,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
               "paged_decode: block_tables must be int64 [B, n]");
   TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.dim() == 1 && ctx_lens.size(0) == batch,
               "paged_decode: ctx_lens must be int64 [B]");
+  if (batch == 0) return at::empty({0, q.size(1), v_pool.size(3)}, q.options());
   const at::Tensor tables = block_tables.contiguous(), lens = ctx_lens.contiguous();
   const int64_t width = tables.size(1), *ids = tables.data_ptr<int64_t>(), *ctx = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(ctx[b] >= 1 && ctx[b] <= width * block_size, "paged_decode: ", width, " blocks cannot hold ",
-                ctx[b], " tokens");
-    for (int64_t i = 0; i * block_size < ctx[b]; ++i)
-      TORCH_CHECK(ids[b * width + i] >= 0 && ids[b * width + i] < k_pool.size(0), "paged_decode: block id ",
-                  ids[b * width + i], " out of range");
-  }
-  const auto* kb = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>());
-  const auto* vb = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
-  const int64_t hq = q.size(1), hkv = k_pool.size(2), dv = v_pool.size(3);
-  auto out = at::empty({batch, hq, dv}, q.options());
-  const Vec vec = pick();
-  at::parallel_for(0, batch * hkv, 1, [&](int64_t t0, int64_t t1) {
-    Rows rows;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / hkv, h = t % hkv;
-      const DecodeShape s{hq, hkv, k_pool.size(3), dv, block_size, ctx[b],
-                          window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0};
-      attend_head(qf.data_ptr<float>() + b * hq * s.d, kb, vb, ids + b * width, s, h, static_cast<float>(scale),
-                  out.data_ptr<at::BFloat16>() + b * hq * dv, vec, rows);
-    }
-  });
-  return out;
+  check_tables(ids, width, ctx, batch, k_pool.size(1), k_pool.size(0), "paged_decode");
+  return attend_sequences(q, k_pool, v_pool, ids, width, ctx, scale, window);
 }
 
 }  // namespace edgeinfer_cpu
