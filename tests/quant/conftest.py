@@ -20,15 +20,16 @@ def ops():
     return torch.ops.edgeinfer_cpu
 
 
-# The ops' two variants: plain loops and AVX-512.
-LEVELS = ("scalar", "avx512")
+# The ops' variants: plain loops, AVX2 and AVX-512.
+LEVELS = ("scalar", "avx2", "avx512")
 
 
 @pytest.fixture(params=LEVELS)
 def level(request, ops) -> Iterator[str]:
-    """Each variant in turn (the AVX-512 one only where the CPU has it)."""
+    """Each variant in turn (each only where the CPU has it)."""
     ops.set_isa_cap(request.param)
-    if request.param != "scalar" and ops.isa() == "scalar":
-        pytest.skip("no AVX-512 here")
+    if ops.isa() != request.param:
+        ops.set_isa_cap(kernels.ISA_LEVELS[-1])
+        pytest.skip(f"no {request.param} here")
     yield request.param
     ops.set_isa_cap(kernels.ISA_LEVELS[-1])

@@ -1,4 +1,4 @@
-"""Our CPU GEMV kernels (quant/kernels, `--cpu-gemv`, default where the CPU has AVX512-VNNI): int8 bit for
+"""Our CPU GEMV kernels (quant/kernels, `--cpu-gemv`, default where the CPU has AVX2): int8 bit for
 bit as `_int_mm`, int4 as W4A8."""
 
 from __future__ import annotations
@@ -183,16 +183,15 @@ def _kernels_used(engine: LLMEngine) -> set[str]:
     return {m.kernel for m in engine.model.modules() if isinstance(m, QuantLinear)} & set(kernels.KERNELS)
 
 
-def test_kernels_are_the_default_where_the_cpu_has_vnni(tiny_models):
+def test_kernels_are_the_default_where_the_cpu_has_avx2(tiny_models):
     auto = _engine(tiny_models["llama"], "int4", None)
-    # the machine decides, and both answers are checked: CI machines may lack AVX512-VNNI
-    expected = {"cpu_w4a8", "cpu_gemv"} if kernels.cpu_has_vnni() else set()
+    expected = {"cpu_w4a8", "cpu_gemv"} if kernels.cpu_has_avx2() else set()
     assert _kernels_used(auto) == expected
     assert not _kernels_used(_engine(tiny_models["llama"], "int4", False))  # --no-cpu-gemv
 
 
-def test_default_leaves_cpus_without_vnni_on_torchs_kernels(tiny_models, monkeypatch):
-    monkeypatch.setattr(kernels, "cpu_has_vnni", lambda: False)  # the kernels would run as plain loops
+def test_default_leaves_cpus_without_avx2_on_torchs_kernels(tiny_models, monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_has_avx2", lambda: False)  # the kernels would run as plain loops
     assert not _kernels_used(_engine(tiny_models["llama"], "int4", None))
     assert _kernels_used(_engine(tiny_models["llama"], "int4", True))  # asked for, they still run
 
@@ -201,7 +200,7 @@ def test_default_keeps_torchs_kernels_when_the_build_fails(tiny_models, monkeypa
     def broken() -> None:
         raise kernels.KernelBuildError("could not build the CPU GEMV kernels: no compiler")
 
-    monkeypatch.setattr(kernels, "cpu_has_vnni", lambda: True)
+    monkeypatch.setattr(kernels, "cpu_has_avx2", lambda: True)
     monkeypatch.setattr(kernels, "load", broken)
     auto = _engine(tiny_models["llama"], "int8", None)
     assert not _kernels_used(auto) and auto.model.lm_head.kernel_for(1) == "int_mm"
@@ -214,7 +213,7 @@ def test_default_never_builds_for_fp8_models(tiny_models, monkeypatch):
     def unexpected() -> None:
         raise AssertionError("an fp8 model started the kernel build")
 
-    monkeypatch.setattr(kernels, "cpu_has_vnni", lambda: True)
+    monkeypatch.setattr(kernels, "cpu_has_avx2", lambda: True)
     monkeypatch.setattr(kernels, "load", unexpected)
     assert not _kernels_used(_engine(tiny_models["llama"], "fp8", None))
 

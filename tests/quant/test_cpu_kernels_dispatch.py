@@ -72,21 +72,31 @@ def test_bf16_gemv_rows_do_not_depend_on_the_batch_or_threads(ops):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("method", ["int8:0", "int4"])
-def test_int_kernels_fallback_equals_the_fast_variant(ops, capped, method):
+# int8 row-major (more outputs than inputs) and `[K, N]` (more inputs: partial 16-output chunks, an odd
+# input count); int4 at each group size
+@pytest.mark.parametrize(
+    "method,out,inp",
+    [
+        ("int8:0", 512, 256),
+        ("int8:0", 200, 701),
+        ("int4", 512, 256),
+        ("int4:32", 64, 640),
+        ("int4:128", 128, 256),
+    ],
+)
+def test_int_kernels_fallback_equals_the_fast_variant(ops, capped, method, out, inp):
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(512, 256, generator=g) * 0.05
+    weight = torch.randn(out, inp, generator=g) * 0.05
     layer = QuantLinear.from_float(weight, None, parse_quantization(method))
     assert layer.use_cpu_gemv()
-    x = torch.randn(3, 256, generator=g)
     results = {}
     for level in _levels_here(ops):
         capped(level)
-        results[level] = layer(x)
-    assert "scalar" in results and len(results) >= 1
-    # the VNNI variant and the plain loops do the same integer sums and the same float epilogue
-    for level, y in results.items():
-        assert torch.equal(y, results["scalar"]), level
+        results[level] = [layer(torch.randn(rows, inp, generator=g.manual_seed(rows))) for rows in (1, 3, 6)]
+    assert "scalar" in results and (len(results) > 1) == kernels.cpu_has_avx2()
+    # the VNNI and AVX2 variants and the plain loops do the same integer sums and the same float epilogue
+    for level, ys in results.items():
+        assert all(torch.equal(y, ref) for y, ref in zip(ys, results["scalar"], strict=True)), level
 
 
 def test_the_env_var_caps_the_level_in_a_fresh_process(ops):

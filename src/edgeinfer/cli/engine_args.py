@@ -119,9 +119,9 @@ def _add_precision(group: argparse._ActionsContainer) -> None:
         "--cpu-gemv",
         action=argparse.BooleanOptionalAction,
         default=_DEFAULTS.cpu_gemv,
-        help="CPU products through our kernels (int8/int4 with AVX512-VNNI, int4 as W4A8; bf16 decode with "
-        "AVX512-BF16 / AVX-512 / AVX2) and one-call ops for one-sequence decode steps; built at first use "
-        "(docs/quantization.md). Default: where the CPU has the features",
+        help="CPU products through our kernels (int8/int4 with AVX512-VNNI / AVX2, int4 as W4A8; bf16 decode "
+        "with AVX512-BF16 / AVX-512 / AVX2) and one-call ops for one-sequence decode steps; built at first "
+        "use (docs/quantization.md). Default: where the CPU has the features",
     )
 
 

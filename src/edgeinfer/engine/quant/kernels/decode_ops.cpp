@@ -84,6 +84,39 @@ EDGEINFER_TARGET_AVX512 void axpy_avx512(float p, const float* x, float* y, int6
     _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
   }
 }
+
+// The same in 256-bit registers, for AVX2-only CPUs; tails in plain loops.
+EDGEINFER_TARGET_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  const __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  float s = _mm_cvtss_f32(h);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+EDGEINFER_TARGET_AVX2 void widen_avx2(const uint16_t* x, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+  for (; i < n; ++i) out[i] = bf16_bits_to_float(x[i]);
+}
+
+EDGEINFER_TARGET_AVX2 void axpy_avx2(float p, const float* x, float* y, int64_t n) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] = std::fma(p, x[i], y[i]);
+}
 #endif
 
 struct Vec {
@@ -95,6 +128,7 @@ struct Vec {
 Vec pick() {
 #if EDGEINFER_X86
   if (edgeinfer_cpu::isa_allows(Isa::kAvx512)) return {widen_avx512, dot_avx512, axpy_avx512};
+  if (edgeinfer_cpu::isa_allows(Isa::kAvx2)) return {widen_avx2, dot_avx2, axpy_avx2};
 #endif
   return {widen_scalar, dot_scalar, axpy_scalar};
 }
