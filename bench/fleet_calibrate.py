@@ -15,9 +15,13 @@
    first event; `request_overhead_ms`, on the node's clock), per token and stream (detokenizing, an SSE event
    relayed by the router; `step_per_seq_ms`, so it grows with the batch as it does on the node), and the
    router's hop (`network.router_ms`, latency only). The `served` profile is the engine profile plus these.
+   The same probes read the CPU time of every process: what the fleet burns while idle (status heartbeats,
+   NATS) and what the routers, NATS and this load generator spend per request and per streamed token.
+   With these the scenario's `[host]` puts the three nodes on this machine's cores, shared with that work
+   (fleet/sim_host.py), as the loopback fleet runs.
 4. The simulator replays the same arrivals, with the prompt lengths the nodes reported, through the same
-   scenario with the served and with the engine-only profile; predicted and measured p50/p99 go to
-   docs/fleet.md.
+   scenario with the served profile on the shared host, the served profile with a processor per node, and
+   the engine-only profile; predicted and measured p50/p99 go to docs/fleet.md.
 
     .venv/bin/python bench/fleet_calibrate.py [--rates 2 8] [--duration-s 60] [--repeat 2] [--write-docs]
 """
@@ -47,6 +51,7 @@ from transformers import PreTrainedTokenizerFast
 from edgeinfer.bench.client import RequestSpec, build_payload, send_request
 from edgeinfer.fleet.sim_demand import Arrivals, generate
 from edgeinfer.fleet.sim_fleet import rtt_matrix
+from edgeinfer.fleet.sim_host import HostSpec
 from edgeinfer.fleet.sim_profile import load_profile, parse_profile
 from edgeinfer.fleet.sim_run import build_locations, run_policy
 from edgeinfer.fleet.sim_scenario import load_scenario
@@ -60,6 +65,9 @@ from fleet_profile import measure  # noqa: E402
 from helpers.tiny_models import make_tiny  # noqa: E402
 
 MODEL = "tiny"
+ROLES = ("node", "router", "nats", "fleet", "client")
+OUTSIDE_NODES = ("router", "nats", "fleet", "client")  # the work a scenario's [host] adds beside the nodes
+IDLE_S = 5.0
 WORDS = [f"w{i}" for i in range(2000)]
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 NODE_ARGS = ["--threads", "1", "--max-num-seqs", "16", "--kv-cache-memory", "64MiB"]
@@ -115,11 +123,14 @@ class LoopbackFleet:
         except BaseException:
             self.stop()
             raise
-        self.pids = _descendants(self.proc.pid)
+        self.pids = {pid: _role(pid) for pid in _descendants(self.proc.pid)}
+        self.idle = dict.fromkeys(ROLES, 0.0)  # cores each role burns with nothing in flight
 
-    def cpu_s(self) -> float:
-        """CPU seconds used so far by the fleet's processes (NATS, nodes, routers) and this load generator."""
-        return time.process_time() + sum(_cpu_s(pid) for pid in self.pids)
+    def cpu_s(self, roles: tuple[str, ...] = ROLES) -> float:
+        """CPU seconds used so far by the fleet's processes of `roles` (ROLES: `client` is this load
+        generator)."""
+        own = time.process_time() if "client" in roles else 0.0
+        return own + sum(_cpu_s(pid) for pid, role in self.pids.items() if role in roles)
 
     def _wait_ready(self) -> None:
         assert self.proc.stdout is not None
@@ -153,6 +164,17 @@ def _descendants(root: int) -> list[int]:
         found.append(pid)
         todo.extend(children.get(pid, []))
     return found
+
+
+def _role(pid: int) -> str:
+    """`node`, `router` or `nats` by the command line; `fleet` for `fleet up` itself."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    words = {a.decode(errors="replace") for a in argv}
+    if "serve" in words:
+        return "node"
+    if "router" in words:
+        return "router"
+    return "nats" if any("nats" in w for w in words) else "fleet"
 
 
 def _cpu_s(pid: int) -> float:
@@ -214,29 +236,70 @@ async def _probe(url: str, code: str, tokens: int, count: int) -> float:
         return float(np.median(times[1:]))
 
 
+def _cpu_by_role(fleet: LoopbackFleet) -> dict[str, float]:
+    return {role: fleet.cpu_s((role,)) for role in ROLES}
+
+
+def _probe_with_cpu(
+    fleet: LoopbackFleet, url: str, tokens: int, count: int
+) -> tuple[float, dict[str, float]]:
+    """`_probe`'s median, and the CPU seconds each role spent during it, per request."""
+    before, started = _cpu_by_role(fleet), time.perf_counter()
+    median = asyncio.run(_probe(url, SITES[0][0], tokens, count))
+    elapsed, after = time.perf_counter() - started, _cpu_by_role(fleet)
+    return median, {r: (after[r] - before[r] - fleet.idle[r] * elapsed) / (count + 1) for r in ROLES}
+
+
+def measure_idle(fleet: LoopbackFleet) -> None:
+    """CPU cores each role burns with no request in flight (heartbeats, status, NATS): `fleet.idle`."""
+    before, started = _cpu_by_role(fleet), time.perf_counter()
+    time.sleep(IDLE_S)
+    elapsed, after = time.perf_counter() - started, _cpu_by_role(fleet)
+    fleet.idle = {r: (after[r] - before[r]) / elapsed for r in ROLES}
+
+
 def served_profile(fleet: LoopbackFleet, profile: dict, rtt_s: float, count: int = 20) -> dict:
     """The engine profile plus what serving adds on an idle fleet, from sequential one-token and 65-token
     requests to a node directly and through its router (before and apart from the load levels):
     the node's extra time for a one-token request is a per-request cost on the node's clock, the router's
     extra time over the node's (less the emulated RTT) its hop, and the routed stream's extra time per further
-    token a per-stream cost of every decode step."""
+    token a per-stream cost of every decode step. The routed probes' CPU time outside the nodes (routers,
+    NATS, this client), less what those burn idle, gives the host's per-request and per-token work."""
     code = SITES[0][0]
     entry = profile["models"][f"{MODEL}-fp32"]
     engine = parse_profile(profile).model(f"{MODEL}-fp32")
+    measure_idle(fleet)
     node_one = asyncio.run(_probe(fleet.nodes[code], code, 1, count))
-    routed_one = asyncio.run(_probe(fleet.urls[code], code, 1, count))
-    routed_long = asyncio.run(_probe(fleet.urls[code], code, 65, count))
+    routed_one, cpu_one = _probe_with_cpu(fleet, fleet.urls[code], 1, count)
+    routed_long, cpu_long = _probe_with_cpu(fleet, fleet.urls[code], 65, count)
     request_s = node_one - engine.prefill_s(PROBE_PROMPT)
     router_s = routed_one - node_one - rtt_s
     token_s = (routed_long - routed_one) / 64 - engine.step_s(1, PROBE_PROMPT + 32)
     serving = {name: round(1000 * max(0.0, float(v)), 3) for name, v in
                (("request_ms", request_s), ("router_ms", router_s), ("per_token_ms", token_s))}  # fmt: skip
+    outside_one = sum(cpu_one[r] for r in OUTSIDE_NODES)
+    token_cpu = (sum(cpu_long[r] for r in OUTSIDE_NODES) - outside_one) / 64
+    host = {
+        "cores": float(os.cpu_count() or 1),
+        "idle_cores": round(sum(fleet.idle.values()), 4),
+        "request_cpu_ms": round(1000 * max(0.0, outside_one - token_cpu), 3),
+        "token_cpu_ms": round(1000 * max(0.0, token_cpu), 3),
+    }
+    # what the nodes themselves burn, to set beside the time the served profile charges them
+    node_cpu = {"request_ms": round(1000 * cpu_one["node"], 3),
+                "per_token_ms": round(1000 * (cpu_long["node"] - cpu_one["node"]) / 64, 3)}  # fmt: skip
     served = {
         **entry,
         "request_overhead_ms": serving["request_ms"],
         "step_per_seq_ms": round(entry["step_per_seq_ms"] + serving["per_token_ms"], 3),
     }
-    return {**profile, "models": {f"{MODEL}-fp32": served}, "serving": serving}
+    return {
+        **profile,
+        "models": {f"{MODEL}-fp32": served},
+        "serving": serving,
+        "host": host,
+        "node_cpu": node_cpu,
+    }
 
 
 def measured_arrivals(arrivals: Arrivals, records: list) -> tuple[Arrivals, np.ndarray]:
@@ -252,6 +315,17 @@ def measured_arrivals(arrivals: Arrivals, records: list) -> tuple[Arrivals, np.n
 def pct(values: np.ndarray, q: float) -> float:
     values = values[~np.isnan(values)]
     return float(np.percentile(values, q) * 1000) if len(values) else float("nan")
+
+
+def scenario_with(sc, path: Path, label: str):
+    """`sc` predicted with the profile at `path`: `engine` alone; `served` adds serving's costs and the
+    router's hop; `host` also puts the nodes on this machine's cores beside the routers' and client's work."""
+    sc = replace(sc, base_dir=path.parent, nodes=replace(sc.nodes, profile=path.name))
+    if label == "engine":
+        return sc
+    served = json.loads(path.read_text())
+    sc = replace(sc, network=replace(sc.network, router_ms=served["serving"]["router_ms"]))
+    return replace(sc, host=HostSpec(**served["host"])) if label == "host" else sc
 
 
 def one_level(
@@ -276,13 +350,9 @@ def one_level(
     for name, real_values in real.items():
         for q in (50, 99):
             row[f"{name}_p{q}_measured"] = pct(real_values, q)
-    for label, path in profiles.items():
-        sc_label = replace(sc, base_dir=path.parent, nodes=replace(sc.nodes, profile=path.name))
-        if label == "served":
-            router_ms = json.loads(path.read_text())["serving"]["router_ms"]
-            sc_label = replace(sc_label, network=replace(sc.network, router_ms=router_ms))
+    for label, path in (("host", profiles["served"]), *profiles.items()):
         rec = run_policy(
-            sc_label, load_profile(path), locations, replayed, "router", progress=False
+            scenario_with(sc, path, label), load_profile(path), locations, replayed, "router", progress=False
         ).fleet.records
         for name, sim in (("ttft", rec.ttft), ("e2e", rec.e2e)):
             for q in (50, 99):
@@ -295,7 +365,7 @@ def one_level(
 def table(rows: list[dict], profile: dict, served: dict, args: argparse.Namespace) -> str:
     entry = profile["models"][f"{MODEL}-fp32"]
     clock = profile["source"].split(", ", 1)[1]
-    serving = served["serving"]
+    serving, host, node_cpu = served["serving"], served["host"], served["node_cpu"]
     rates = " ".join(f"{r:g}" for r in args.rates)
     lines = [
         "### Calibration: loopback fleet vs simulator",
@@ -306,29 +376,38 @@ def table(rows: list[dict], profile: dict, served: dict, args: argparse.Namespac
         f"{entry['step_per_kctx_ms']:.3f} × kctx ms. Serving on the idle fleet added "
         f"{serving['request_ms']:.1f} ms a request on the node, {serving['per_token_ms']:.2f} ms a token "
         f"and stream, and {serving['router_ms']:.1f} ms for the router's hop (the `served` profile adds "
-        "them).",
+        f"them). CPU on the idle fleet: {host['idle_cores']:.2f} cores with nothing in flight; outside the "
+        f"nodes (routers, NATS, this client) {host['request_cpu_ms']:.1f} ms a request and "
+        f"{host['token_cpu_ms']:.2f} ms a streamed token (the nodes themselves: {node_cpu['request_ms']:.1f} "
+        f"ms and {node_cpu['per_token_ms']:.2f} ms); `[host]` puts the nodes on the {host['cores']:g} cores "
+        "beside that work.",
         f"Command: `.venv/bin/python bench/fleet_calibrate.py --rates {rates} "
         f"--duration-s {args.duration_s:g} --repeat {args.repeat} --write-docs`",
         "",
-        "ms, measured / predicted with the served profile; error = predicted / measured − 1; the last column "
-        "predicts p50 TTFT / E2E with the engine-only profile.",
+        "ms, measured / predicted with the served profile on the shared host; "
+        "error = predicted / measured − 1. "
+        "The next columns predict p50 TTFT / E2E with a processor per node (the served profile without "
+        "`[host]`) and with the engine-only profile.",
         "",
         "| req/s | run | requests | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | p50 error TTFT, E2E "
-        "| engine-only p50 TTFT / E2E | fleet CPU | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| a processor per node: p50 TTFT / E2E (error) | engine-only p50 TTFT / E2E "
+        "| fleet CPU | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rows):
 
         def pair(name: str, r: dict = r) -> str:
-            return f"{r[name + '_measured']:.0f} / {r[name + '_served']:.0f}"
+            return f"{r[name + '_measured']:.0f} / {r[name + '_host']:.0f}"
 
-        def err(name: str, r: dict = r) -> str:
-            return f"{100 * (r[name + '_served'] / r[name + '_measured'] - 1):+.0f} %"
+        def err(name: str, label: str = "host", r: dict = r) -> str:
+            return f"{100 * (r[f'{name}_{label}'] / r[name + '_measured'] - 1):+.0f} %"
 
         lines.append(
             f"| {r['rate']:g} | {i % args.repeat + 1} | {r['requests']} ({r['failed']} failed) "
             f"| {pair('ttft_p50')} | {pair('ttft_p99')} | {pair('e2e_p50')} | {pair('e2e_p99')} "
-            f"| {err('ttft_p50')}, {err('e2e_p50')} | {r['ttft_p50_engine']:.0f} / {r['e2e_p50_engine']:.0f} "
+            f"| {err('ttft_p50')}, {err('e2e_p50')} | {r['ttft_p50_served']:.0f} / {r['e2e_p50_served']:.0f} "
+            f"({err('ttft_p50', 'served')}, {err('e2e_p50', 'served')}) "
+            f"| {r['ttft_p50_engine']:.0f} / {r['e2e_p50_engine']:.0f} "
             f"| {r['cores']:.2f} of {os.cpu_count()} cores | {r['load'][0]:.1f} → {r['load'][1]:.1f} |"
         )
     return "\n".join(lines)

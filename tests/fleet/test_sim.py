@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.fleet_sim import SERVICE_S, arrivals_of, one_location, write_profile
 
 from edgeinfer.fleet import sim_policies
 from edgeinfer.fleet.sim_demand import Arrivals
@@ -20,44 +21,11 @@ from edgeinfer.fleet.sim_report import all_metrics, deterministic
 from edgeinfer.fleet.sim_run import build_locations, simulate
 from edgeinfer.fleet.sim_scenario import parse_scenario
 
-SERVICE_S = 0.05
-
-
-def _profile(path: Path, **overrides) -> Path:
-    model = dict(
-        prefill_tok_s=1e12, prefill_overhead_ms=SERVICE_S * 1000, step_base_ms=10.0, step_per_seq_ms=0.0,
-        step_per_kctx_ms=0.0, load_s=2.0, weights_gb=1.0, kv_tokens=100_000, kv_gb=1.0,
-    )  # fmt: skip
-    model.update(overrides)
-    path.write_text(json.dumps({"device": "test", "source": "fixed", "models": {"m": model}}))
-    return path
-
-
-def _one_location(tmp_path: Path, rate: float, duration_s: float, **nodes) -> dict:
-    _profile(tmp_path / "p.json")
-    return {
-        "seed": 7,
-        "duration_s": duration_s,
-        "locations": {"source": "list", "sites": [{"code": "AAA", "lat": 10.0, "lon": 20.0}]},
-        "network": {"last_mile_ms": 0.0},
-        "demand": {"requests_per_s": rate, "diurnal_amplitude": 0.0, "session_share": 0.0},
-        "models": [
-            {
-                "name": "m",
-                "profile": "m",
-                "prompt_tokens": {"dist": "fixed", "median": 16},
-                "output_tokens": {"dist": "fixed", "median": 1},
-            }
-        ],
-        "nodes": {"profile": "p.json", "per_location": [1], "busy_queue": 10**9, **nodes},
-        "policies": ["router"],
-    }
-
 
 def test_queueing_delay_matches_md1(tmp_path):
     # One server, Poisson arrivals, fixed service time (a prefill of fixed cost, one output token, batch 1).
     rate = 10.0  # rho = 0.5
-    scenario = parse_scenario(_one_location(tmp_path, rate, 2000.0, max_batch=1), base_dir=tmp_path)
+    scenario = parse_scenario(one_location(tmp_path, rate, 2000.0, max_batch=1), base_dir=tmp_path)
     result = simulate(scenario)
     rec = result.runs[0].fleet.records
     wait = rec.ttft - SERVICE_S
@@ -70,9 +38,9 @@ def test_queueing_delay_matches_md1(tmp_path):
 
 
 def _fleet(tmp_path: Path, arrivals: Arrivals, router_ms: float = 0.0, **profile) -> Fleet:
-    raw = _one_location(tmp_path, 1.0, 100.0)
+    raw = one_location(tmp_path, 1.0, 100.0)
     raw["network"]["router_ms"] = router_ms
-    _profile(tmp_path / "p.json", **profile)
+    write_profile(tmp_path / "p.json", **profile)
     raw["models"][0]["system_prompt_tokens"] = 0
     scenario = parse_scenario(raw, base_dir=tmp_path)
     prof = parse_profile(json.loads((tmp_path / "p.json").read_text()))
@@ -82,16 +50,10 @@ def _fleet(tmp_path: Path, arrivals: Arrivals, router_ms: float = 0.0, **profile
     return fleet
 
 
-def _arrivals(rows: list[tuple[float, int, int, int, int]]) -> Arrivals:
-    t, prompt, output, key, plen = (np.array(c) for c in zip(*rows, strict=True))
-    zeros = np.zeros(len(rows), dtype=np.int64)
-    return Arrivals(t.astype(float), zeros, zeros, prompt, output, key, plen)
-
-
 def test_continuous_batching_joins_at_step_boundaries(tmp_path):
     # Prefill: 10 ms + 1 ms per 100 tokens. Decode step: 10 ms + 5 ms per running sequence.
     profile = dict(prefill_tok_s=100_000.0, prefill_overhead_ms=10.0, step_base_ms=10.0, step_per_seq_ms=5.0)
-    arrivals = _arrivals([(0.0, 100, 5, 0, 0), (0.0, 100, 5, 0, 0), (0.033, 100, 3, 0, 0)])
+    arrivals = arrivals_of([(0.0, 100, 5, 0, 0), (0.0, 100, 5, 0, 0), (0.033, 100, 3, 0, 0)])
     rec = _fleet(tmp_path, arrivals, **profile).records
     # Both t=0 requests share one prefill of 200 tokens: 12 ms.
     assert rec.ttft[:2] == pytest.approx([0.012, 0.012])
@@ -107,7 +69,7 @@ def test_continuous_batching_joins_at_step_boundaries(tmp_path):
 def test_serving_costs_per_request_on_the_node_and_the_router_hop_as_latency(tmp_path):
     # Prefill: 10 ms a step + 4 ms per request + 1 ms per 100 tokens; the router's hop adds 3 ms.
     profile = dict(prefill_tok_s=100_000.0, prefill_overhead_ms=10.0, request_overhead_ms=4.0)
-    arrivals = _arrivals([(0.0, 100, 1, 0, 0), (0.0, 100, 1, 0, 0), (1.0, 100, 1, 0, 0)])
+    arrivals = arrivals_of([(0.0, 100, 1, 0, 0), (0.0, 100, 1, 0, 0), (1.0, 100, 1, 0, 0)])
     rec = _fleet(tmp_path, arrivals, router_ms=3.0, **profile).records
     # Both t=0 requests share one step that pays the per-request cost twice: 10 + 8 + 2 = 20 ms.
     assert rec.ttft[:2] == pytest.approx([0.023, 0.023])
@@ -119,7 +81,7 @@ def test_serving_costs_per_request_on_the_node_and_the_router_hop_as_latency(tmp
 def test_prefix_cache_hit_on_second_turn(tmp_path):
     # A session's second turn repeats its 4,000-token prefix; prefill runs at 10,000 tokens/s.
     profile = dict(prefill_tok_s=10_000.0, prefill_overhead_ms=0.0)
-    arrivals = _arrivals([(0.0, 4100, 2, 5, 4000), (10.0, 4100, 2, 5, 4000), (20.0, 4100, 2, 6, 4000)])
+    arrivals = arrivals_of([(0.0, 4100, 2, 5, 4000), (10.0, 4100, 2, 5, 4000), (20.0, 4100, 2, 6, 4000)])
     rec = _fleet(tmp_path, arrivals, **profile).records
     assert rec.cached.tolist() == [0, 4000, 0]
     assert rec.ttft.tolist() == pytest.approx([0.41, 0.01, 0.41])
@@ -150,7 +112,7 @@ def _three_locations(seed: int):
 
 @pytest.fixture
 def three_locations(tmp_path):
-    _profile(tmp_path / "p.json", prefill_tok_s=5000.0, step_base_ms=20.0, step_per_seq_ms=2.0)
+    write_profile(tmp_path / "p.json", prefill_tok_s=5000.0, step_base_ms=20.0, step_per_seq_ms=2.0)
     return lambda seed: replace(_three_locations(seed), base_dir=tmp_path)
 
 
@@ -185,11 +147,11 @@ def test_simulator_routes_through_the_router_policy_module(three_locations):
 
 
 def test_least_loaded_skips_saturated_nodes_and_loads_a_cold_copy(tmp_path):
-    raw = _one_location(tmp_path, 1.0, 100.0, busy_queue=1, per_location=[1, 1, 1])
+    raw = one_location(tmp_path, 1.0, 100.0, busy_queue=1, per_location=[1, 1, 1])
     raw["locations"]["sites"] = [{"code": c, "lat": 10.0, "lon": 20.0 + i} for i, c in enumerate("ABC")]
     scenario = parse_scenario(raw, base_dir=tmp_path)
     prof = parse_profile(json.loads((tmp_path / "p.json").read_text()))
-    arrivals = _arrivals([(0.0, 100, 2, 0, 0)] * 3)
+    arrivals = arrivals_of([(0.0, 100, 2, 0, 0)] * 3)
     fleet = Fleet(scenario, prof, build_locations(scenario), len(arrivals))
     cold = fleet.nodes[2]
     del cold.slots[0]  # the model is warm on the first two nodes only

@@ -17,6 +17,7 @@ import simpy
 
 from edgeinfer.fleet.sim_demand import Arrivals
 from edgeinfer.fleet.sim_geo import EARTH_RADIUS_KM, FIBRE_KM_PER_MS, Location
+from edgeinfer.fleet.sim_host import make_cpu
 from edgeinfer.fleet.sim_node import Board, Node, NodeLimits, SimRequest
 from edgeinfer.fleet.sim_profile import ModelProfile, Profile
 from edgeinfer.fleet.sim_scenario import Scenario
@@ -48,6 +49,7 @@ class Fleet:
     ) -> None:
         self.scenario, self.locations = scenario, locations
         self.env = simpy.Environment()
+        self.cpu = make_cpu(self.env, scenario.host)  # one processor per node, or the host they share
         self.model_names = [m.name for m in scenario.models]
         self.model_profiles: list[ModelProfile] = [profile.model(m.profile) for m in scenario.models]
         self.rtt_s = rtt_matrix(locations, scenario.network.path_inflation, scenario.network.last_mile_ms)
@@ -86,7 +88,7 @@ class Fleet:
             for primary in _largest_remainder(count, pop):
                 node = Node(
                     self.env, len(self.nodes), loc, limits, self.board, self.records.first_token,
-                    self.records.finish,
+                    self.records.finish, self.cpu,
                 )  # fmt: skip
                 self._place(node, primary, pop)
                 self.nodes.append(node)
@@ -162,6 +164,7 @@ class Fleet:
             if t > env.now:
                 yield env.timeout(t - env.now)
             req = SimRequest(i, model, prompt, output, key, plen, t, 0.0)
+            self.cpu.background(requests=1)  # the router's and the client's part, served or not
             ranked = policy.choose(req, city)
             for node in ranked if policy.retries else ranked[:1]:
                 req.rtt_s = rtt[city][node.location]

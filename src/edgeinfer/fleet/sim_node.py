@@ -9,7 +9,8 @@ takes the sum of their step times (they share the accelerator).
 
 Decode steps are not simulated one by one: the node computes how many steps run until the next request
 finishes and sleeps that long, waking early only when a new request can join the batch; it then completes the
-step in progress (requests join at step boundaries, as in the engine) and admits.
+step in progress (requests join at step boundaries, as in the engine) and admits. The node's work runs on
+its CPU (sim_host): a processor of its own, or cores it shares with other nodes on one host.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import simpy
 
+from edgeinfer.fleet.sim_host import Dedicated, SharedHost
 from edgeinfer.fleet.sim_profile import ModelProfile
 
 
@@ -97,9 +99,10 @@ class Node:
         board: Board,
         on_first_token: Callable[[SimRequest, float], None],
         on_finish: Callable[[SimRequest, float], None],
+        cpu: Dedicated | SharedHost,
     ) -> None:
         self.env, self.node_id, self.location, self.limits = env, node_id, location, limits
-        self.board = board
+        self.board, self.cpu = board, cpu
         self.name = f"n{node_id}"
         self.on_first_token, self.on_finish = on_first_token, on_finish
         self.slots: dict[int, ModelSlot] = {}
@@ -239,8 +242,9 @@ class Node:
             tokens[slot.model] = tokens.get(slot.model, 0) + req.prompt - req.cached
             requests[slot.model] = requests.get(slot.model, 0) + 1
         duration = sum(self.slots[m].profile.prefill_s(n, requests[m]) for m, n in tokens.items())
-        yield self.env.timeout(duration)
+        yield self.cpu.run(duration).event
         self.busy_s += duration
+        self.cpu.background(tokens=len(admitted))
         now = self.env.now
         for slot, req in admitted:
             req.generated = 1
@@ -255,15 +259,17 @@ class Node:
         step = sum(
             s.profile.step_s(len(s.running), _context(s.running) + len(s.running) * k / 2) for s in busy
         )
-        start = self.env.now
+        job = self.cpu.run(k * step)
         self._wake = self.env.event()
-        yield self.env.timeout(k * step) | self._wake
+        yield job.event | self._wake
         steps = k
-        if self.env.now < start + k * step:
+        if not job.event.processed:
             # Woken by an arrival: finish the step in progress, then let the newcomer join.
-            steps = min(k, math.floor((self.env.now - start) / step) + 1)
-            yield self.env.timeout(start + steps * step - self.env.now)
+            steps = min(k, math.floor(self.cpu.progress(job) / step) + 1)
+            self.cpu.shorten(job, steps * step)
+            yield job.event
         self.busy_s += steps * step
+        self.cpu.background(tokens=steps * sum(len(s.running) for s in busy))
         now = self.env.now
         for slot in busy:
             for req in list(slot.running):

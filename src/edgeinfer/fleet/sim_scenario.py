@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeinfer.fleet.sim_geo import NetworkModel
+from edgeinfer.fleet.sim_host import HostSpec
 
 PACKAGED = Path(__file__).parent
 POLICY_NAMES = ("router", "nearest", "least-loaded", "round-robin")
@@ -91,6 +92,7 @@ class Scenario:
     models: tuple[ModelDemand, ...] = ()
     nodes: Nodes = field(default_factory=Nodes)
     report: Report = field(default_factory=Report)
+    host: HostSpec = field(default_factory=HostSpec)  # cores = 0: every node a processor of its own
     policies: tuple[str, ...] = POLICY_NAMES
     base_dir: Path = PACKAGED
 
@@ -125,6 +127,7 @@ def parse_scenario(raw: dict[str, Any], name: str = "scenario", base_dir: Path =
         "demand": Demand,
         "nodes": Nodes,
         "report": Report,
+        "host": HostSpec,
     }
     parts = {key: _build(cls, raw.pop(key, {}), key) for key, cls in sections.items()}
     top = _build(Scenario, {"name": raw.pop("name", name), **raw}, "scenario", partial=True)

@@ -3,22 +3,22 @@
 // A one-sequence decode step reads every weight once, so its speed is how fast the weights stream from
 // memory. torch's bf16 GEMV on CPU reaches a fraction of that on wide matrices (the 262k x 640 Gemma
 // lm_head); these read W row-major as stored (nn.Linear's weight, the tied embedding: no second copy),
-// eight weight rows against up to two activation rows at a time, with fp32 sums:
+// one weight row at a time against up to two activation rows, with fp32 sums:
 //
 //   avx512_bf16: `vdpbf16ps`, 32 bf16 products per instruction, on the bf16 operands as they are;
 //   avx512 / avx2: weights widened to fp32 by a 16-bit shift (bf16 is the top half of an fp32), FMA
 //                  against the activations converted to fp32 once;
 //   scalar:      the same sums in plain loops (any CPU).
 //
-// Each tile prefetches the next tile's weights (the rows below it, at the offset it is reading): one core
-// has too few cache misses in flight for the hardware prefetcher alone to reach the memory bandwidth, and
-// a tile's rows are short streams (Gemma's 640 inputs: 1,280 B a row) that it barely learns before they
-// end. Measured on the 262k x 640 lm_head at 2 threads (AMD EPYC, AVX512-BF16, interleaved medians of 15,
-// three runs; a plain streaming read of the same bytes alongside): read 54 GB/s -> each row 512 B ahead
-// 32.3 GB/s, next tile 42.9 (Gemma's layer shapes 28.7 -> 35.2); at a busier hour read 35-36 GB/s ->
-// 29.4-31.2 vs 32.1-32.4. Two tiles ahead measured the same as one. Earlier, on an Intel Xeon at 2
-// threads (plain read 29.5-31.7 GB/s): 4 rows, no prefetch 19.2 GB/s; 8 rows, 512 B ahead 24.9; 256 B
-// 24.7; 1 KiB 19.3; 16 rows 22.4-24.0.
+// Each thread reads its rows one after another, each row start to end (a few independent sums per
+// activation row, so the dot product is not one dependency chain): its whole share of W is one sequential
+// stream, the pattern the hardware prefetcher follows best. Reading eight rows side by side (eight streams
+// of 1,280 B for Gemma's 640 inputs, each barely learnt before it ends), with or without software
+// prefetches of the next eight, was slower. Gemma 3 270M's products, 2 threads, AMD EPYC (Zen 4,
+// AVX512-BF16), interleaved rounds of a whole step's products, medians of 25 (a standalone copy of the
+// loops; plain read of the same bytes 25-27 GB/s at the time): the 18 layers' 72 products 10.7-11.7 ms ->
+// 8.8-9.7 ms, the 262k x 640 lm_head 18.4-19.7 ms -> 12.3-12.8 ms (18 -> 27 GB/s). Software prefetches on
+// top of the sequential order only slowed it.
 //
 // The variant is picked per call from what the CPU reports (isa.h). Rows are split across the engine's
 // threads in chunks of at least kGrainBytes of weight, so small layers are not spread over more threads
@@ -44,6 +44,7 @@ using edgeinfer_cpu::Isa;
 
 constexpr int kRows = 8;  // weight rows per tile
 constexpr int kM = 2;     // activation rows per tile
+constexpr int kU = 4;     // independent sums per activation row, so a row's dot product is not one chain
 constexpr int64_t kGrainBytes = 64 * 1024;
 
 using edgeinfer_cpu::bf16_bits_to_float;
@@ -73,61 +74,71 @@ void tile_scalar(const Operands& op, const uint16_t* w, int64_t m0, float* y, in
 }
 
 #if EDGEINFER_X86
-// The next tile's rows at input `i` (past the last tile: prefetches never fault). No target attribute:
-// `prefetcht0` is baseline x86-64, and each variant inlines this.
-template <int R>
-inline void prefetch_next_tile(const uint16_t* w, int64_t k, int64_t i) {
-  for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * k + i), _MM_HINT_T0);
+// Helpers of both AVX-512 variants (the base set's target, so each inlines them).
+template <int MB, int U>
+EDGEINFER_TARGET_AVX512_BASE inline void zero(__m512 (&acc)[MB][U]) {
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
 }
 
-template <int MB, int R>
-EDGEINFER_TARGET_BF16 inline void step_bf16(__m512 (&acc)[MB][R], const uint16_t* w, const uint16_t* x, int64_t k,
-                                            int64_t i, __mmask32 mask) {
-  __m512bh wv[R];
-  for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * k + i);
-  for (int m = 0; m < MB; ++m) {
-    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * k + i);
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
-  }
+// The sum of one activation row's accumulators, in a fixed order.
+template <int U>
+EDGEINFER_TARGET_AVX512_BASE inline float total(const __m512 (&acc)[U]) {
+  __m512 s = acc[0];
+  for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[u]);
+  return _mm512_reduce_add_ps(s);
 }
 
 template <int MB, int R>
 EDGEINFER_TARGET_BF16 void tile_avx512_bf16(const Operands& op, const uint16_t* w, int64_t m0, float* y,
                                              int64_t ldy) {
-  const int64_t k = op.k, body = k & ~int64_t{31};
+  const int64_t k = op.k, body = k - k % (32 * kU);
   const uint16_t* x = op.x + m0 * k;
-  __m512 acc[MB][R];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm512_setzero_ps();
-  for (int64_t i = 0; i < body; i += 32) {
-    prefetch_next_tile<R>(w, k, i);
-    step_bf16<MB, R>(acc, w, x, k, i, ~__mmask32{0});
+  for (int r = 0; r < R; ++r) {
+    const uint16_t* wr = w + r * k;
+    __m512 acc[MB][kU];
+    zero(acc);
+    int64_t i = 0;
+    for (; i < body; i += 32 * kU)
+      for (int u = 0; u < kU; ++u) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + i + 32 * u);
+        for (int m = 0; m < MB; ++m)
+          acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, (__m512bh)_mm512_loadu_si512(x + m * k + i + 32 * u));
+      }
+    for (; i < k; i += 32) {  // the chunks past the unrolled body, the last one masked (masked lanes add 0)
+      const __mmask32 mask = k - i >= 32 ? ~__mmask32{0} : (__mmask32{1} << (k - i)) - 1;
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + i);
+      for (int m = 0; m < MB; ++m)
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * k + i));
+    }
+    for (int m = 0; m < MB; ++m) y[m * ldy + r] = total(acc[m]);
   }
-  if (body < k) step_bf16<MB, R>(acc, w, x, k, body, (__mmask32{1} << (k - body)) - 1);  // masked lanes add 0
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
 template <int MB, int R>
 EDGEINFER_TARGET_AVX512 void tile_avx512(const Operands& op, const uint16_t* w, int64_t m0, float* y,
                                          int64_t ldy) {
-  const int64_t k = op.k;
+  const int64_t k = op.k, body = k - k % (16 * kU);
   const float* x = op.xf + m0 * k;
-  __m512 acc[MB][R];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 mask = k - i >= 16 ? 0xFFFF : (1u << (k - i)) - 1;
-    if (i % 32 == 0) prefetch_next_tile<R>(w, k, i);
-    __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = edgeinfer_cpu::bf16x16_to_fp32(w + r * k + i, mask);
-    for (int m = 0; m < MB; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * k + i);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+  for (int r = 0; r < R; ++r) {
+    const uint16_t* wr = w + r * k;
+    __m512 acc[MB][kU];
+    zero(acc);
+    int64_t i = 0;
+    for (; i < body; i += 16 * kU)
+      for (int u = 0; u < kU; ++u) {
+        const __m512 wv = edgeinfer_cpu::bf16x16_to_fp32(wr + i + 16 * u);
+        for (int m = 0; m < MB; ++m)
+          acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * k + i + 16 * u), acc[m][u]);
+      }
+    for (; i < k; i += 16) {
+      const __mmask16 mask = k - i >= 16 ? 0xFFFF : (1u << (k - i)) - 1;
+      const __m512 wv = edgeinfer_cpu::bf16x16_to_fp32(wr + i, mask);
+      for (int m = 0; m < MB; ++m)
+        acc[m][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + m * k + i), acc[m][0]);
     }
+    for (int m = 0; m < MB; ++m) y[m * ldy + r] = total(acc[m]);
   }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
 EDGEINFER_TARGET_AVX2 inline float hsum8(__m256 v) {
@@ -136,31 +147,39 @@ EDGEINFER_TARGET_AVX2 inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
+EDGEINFER_TARGET_AVX2 inline __m256 widen8(const uint16_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
 template <int MB, int R>
 EDGEINFER_TARGET_AVX2 void tile_avx2(const Operands& op, const uint16_t* w, int64_t m0, float* y, int64_t ldy) {
-  const int64_t k = op.k, body = k & ~int64_t{7};
+  const int64_t k = op.k, body = k - k % (8 * kU), whole = k & ~int64_t{7};
   const float* x = op.xf + m0 * k;
-  __m256 acc[MB][R];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm256_setzero_ps();
-  for (int64_t i = 0; i < body; i += 8) {
-    if (i % 32 == 0) prefetch_next_tile<R>(w, k, i);
-    __m256 wv[R];
-    for (int r = 0; r < R; ++r) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * k + i));
-      wv[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  for (int r = 0; r < R; ++r) {
+    const uint16_t* wr = w + r * k;
+    __m256 acc[MB][kU];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i < body; i += 8 * kU)
+      for (int u = 0; u < kU; ++u) {
+        const __m256 wv = widen8(wr + i + 8 * u);
+        for (int m = 0; m < MB; ++m)
+          acc[m][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + i + 8 * u), acc[m][u]);
+      }
+    for (; i < whole; i += 8) {
+      const __m256 wv = widen8(wr + i);
+      for (int m = 0; m < MB; ++m) acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + i), acc[m][0]);
     }
     for (int m = 0; m < MB; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * k + i);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) {
-      float s = hsum8(acc[m][r]);
-      for (int64_t i = body; i < k; ++i) s += bf16_bits_to_float(w[r * k + i]) * x[m * k + i];
+      __m256 sum = acc[m][0];
+      for (int u = 1; u < kU; ++u) sum = _mm256_add_ps(sum, acc[m][u]);
+      float s = hsum8(sum);
+      for (int64_t j = whole; j < k; ++j) s += bf16_bits_to_float(wr[j]) * x[m * k + j];
       y[m * ldy + r] = s;
     }
+  }
 }
 #endif
 

@@ -46,14 +46,14 @@ inline float bf16_bits_to_float(uint16_t v) {
 #define EDGEINFER_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define EDGEINFER_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define EDGEINFER_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+// Only the base AVX-512 instructions: a helper with this target inlines into the kernels of every AVX-512 level.
+#define EDGEINFER_TARGET_AVX512_BASE __attribute__((target("avx512f,avx512bw,avx512vl")))
 
 #if EDGEINFER_X86
 namespace edgeinfer_cpu {
 
-// 16 bf16 values (the lanes of `mask`; the others 0) -> fp32 lanes, exact. It targets only the
-// instructions it uses, so that the kernels of every AVX-512 level above inline it.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 bf16x16_to_fp32(const uint16_t* p,
-                                                                                 __mmask16 mask = 0xFFFF) {
+// 16 bf16 values (the lanes of `mask`; the others 0) -> fp32 lanes, exact.
+EDGEINFER_TARGET_AVX512_BASE inline __m512 bf16x16_to_fp32(const uint16_t* p, __mmask16 mask = 0xFFFF) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
