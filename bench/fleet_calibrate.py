@@ -1,9 +1,9 @@
 """Calibrate the fleet simulator against the real loopback fleet: predicted vs measured TTFT and E2E.
 
-1. A tiny Llama checkpoint with a word-level vocabulary (every token is a word, so every token streams as
-   text and the client's first chunk is the first token) is written and profiled on this machine
-   (bench/fleet_profile.py, one thread, process CPU time; `--wall-clock-profile` times it by the wall clock
-   instead, contention included).
+1. A small random Llama checkpoint (MODEL_SHAPE) with a word-level vocabulary (every token is a word, so
+   every token streams as text and the client's first chunk is the first token) is written and profiled on
+   this machine (bench/fleet_profile.py, one thread, process CPU time; `--wall-clock-profile` times it by the
+   wall clock instead, contention included).
 2. `edgeinfer fleet up --locations 3 --emulate-rtt` starts NATS, a node and a router per location (FRA, AMS,
    LHR) with that model.
 3. For each load level the arrivals of `scenarios/loopback-3.toml` at that rate are drawn by the simulator's
@@ -65,12 +65,22 @@ from fleet_profile import measure  # noqa: E402
 from helpers.tiny_models import make_tiny  # noqa: E402
 
 MODEL = "tiny"
+# Large enough that the engine's own time is a fair part of a request's (a 128-token prefill ~10 ms, a step
+# ~2 ms at one thread), so the node model is tested and not only serving's overheads; small enough that three
+# nodes, three routers and the load generator fit on two cores at the load levels.
+MODEL_SHAPE = dict(
+    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=4096,
+)  # fmt: skip
 ROLES = ("node", "router", "nats", "fleet", "client")
 OUTSIDE_NODES = ("router", "nats", "fleet", "client")  # the work a scenario's [host] adds beside the nodes
 IDLE_S = 5.0
 WORDS = [f"w{i}" for i in range(2000)]
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-NODE_ARGS = ["--threads", "1", "--max-num-seqs", "16", "--kv-cache-memory", "64MiB"]
+# The nodes serve the dtype the profile measures (bench/fleet_profile.py VARIANTS).
+VARIANT = "bf16"
+PROFILE_KEY = f"{MODEL}-{VARIANT}"
+NODE_ARGS = ["--dtype", "bfloat16", "--threads", "1", "--max-num-seqs", "16", "--kv-cache-memory", "64MiB"]
 NODE_ARGS += ["--memory-budget", "256MiB"]
 
 
@@ -95,7 +105,7 @@ def scenario_for(profile_path: Path, rate: float, duration_s: float):
         {"code": code, "lat": lat, "lon": lon, "population": weights.get(code, 1), "region": "EU"}
         for code, lat, lon in SITES[:3]
     )
-    model = replace(sc.models[0], name=MODEL, profile=f"{MODEL}-fp32")
+    model = replace(sc.models[0], name=MODEL, profile=PROFILE_KEY)
     return replace(
         sc,
         base_dir=profile_path.parent,
@@ -124,6 +134,9 @@ class LoopbackFleet:
             self.stop()
             raise
         self.pids = {pid: _role(pid) for pid in _descendants(self.proc.pid)}
+        found = sorted(self.pids.values())
+        if found.count("node") != len(self.nodes) or found.count("router") != len(self.urls):
+            raise RuntimeError(f"fleet up's processes were not told apart: {found}")
         self.idle = dict.fromkeys(ROLES, 0.0)  # cores each role burns with nothing in flight
 
     def cpu_s(self, roles: tuple[str, ...] = ROLES) -> float:
@@ -167,14 +180,14 @@ def _descendants(root: int) -> list[int]:
 
 
 def _role(pid: int) -> str:
-    """`node`, `router` or `nats` by the command line; `fleet` for `fleet up` itself."""
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    words = {a.decode(errors="replace") for a in argv}
-    if "serve" in words:
+    """`node` (`python -m edgeinfer.node`), `router` (`edgeinfer.cli router`), `nats` (the server binary),
+    or `fleet` (`fleet up` itself), by the command line `fleet up` started it with."""
+    argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    if "edgeinfer.node" in argv:
         return "node"
-    if "router" in words:
+    if "router" in argv:
         return "router"
-    return "nats" if any("nats" in w for w in words) else "fleet"
+    return "nats" if any("nats-server" in Path(a).name for a in argv) else "fleet"
 
 
 def _cpu_s(pid: int) -> float:
@@ -266,8 +279,8 @@ def served_profile(fleet: LoopbackFleet, profile: dict, rtt_s: float, count: int
     token a per-stream cost of every decode step. The routed probes' CPU time outside the nodes (routers,
     NATS, this client), less what those burn idle, gives the host's per-request and per-token work."""
     code = SITES[0][0]
-    entry = profile["models"][f"{MODEL}-fp32"]
-    engine = parse_profile(profile).model(f"{MODEL}-fp32")
+    entry = profile["models"][PROFILE_KEY]
+    engine = parse_profile(profile).model(PROFILE_KEY)
     measure_idle(fleet)
     node_one = asyncio.run(_probe(fleet.nodes[code], code, 1, count))
     routed_one, cpu_one = _probe_with_cpu(fleet, fleet.urls[code], 1, count)
@@ -295,7 +308,7 @@ def served_profile(fleet: LoopbackFleet, profile: dict, rtt_s: float, count: int
     }
     return {
         **profile,
-        "models": {f"{MODEL}-fp32": served},
+        "models": {PROFILE_KEY: served},
         "serving": serving,
         "host": host,
         "node_cpu": node_cpu,
@@ -363,14 +376,16 @@ def one_level(
 
 
 def table(rows: list[dict], profile: dict, served: dict, args: argparse.Namespace) -> str:
-    entry = profile["models"][f"{MODEL}-fp32"]
+    entry = profile["models"][PROFILE_KEY]
     clock = profile["source"].split(", ", 1)[1]
     serving, host, node_cpu = served["serving"], served["host"], served["node_cpu"]
     rates = " ".join(f"{r:g}" for r in args.rates)
     lines = [
         "### Calibration: loopback fleet vs simulator",
         "",
-        f"Machine: {profile['device']}; engine profile of the tiny Llama ({clock}, one thread): prefill "
+        f"Machine: {profile['device']}; engine profile of the calibration Llama (hidden "
+        f"{MODEL_SHAPE['hidden_size']}, {MODEL_SHAPE['num_hidden_layers']} layers, {VARIANT}; {clock}, one "
+        "thread): prefill "
         f"{entry['prefill_tok_s']:.0f} tok/s + {entry['prefill_overhead_ms']:.2f} ms, step "
         f"{entry['step_base_ms']:.3f} + {entry['step_per_seq_ms']:.3f} × batch + "
         f"{entry['step_per_kctx_ms']:.3f} × kctx ms. Serving on the idle fleet added "
@@ -424,10 +439,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fleet-calibrate-") as tmp:
         work = Path(tmp)
-        model_dir = make_tiny(
-            "llama", work / "tiny", tokenizer_builder=word_tokenizer, max_position_embeddings=4096
-        )
-        profile = measure(MODEL, str(model_dir), ["fp32"], wall=args.wall_clock_profile)
+        model_dir = make_tiny("llama", work / "tiny", tokenizer_builder=word_tokenizer, **MODEL_SHAPE)
+        profile = measure(MODEL, str(model_dir), [VARIANT], wall=args.wall_clock_profile)
         profile_path = work / "profile.json"
         profile_path.write_text(json.dumps(profile))
         fleet = LoopbackFleet(model_dir, work / "fleet")
