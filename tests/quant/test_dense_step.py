@@ -87,3 +87,15 @@ def test_fused_step_refuses_inputs_it_cannot_run(ops):
     with pytest.raises(RuntimeError, match="bf16"):
         slots = torch.zeros(2, dtype=torch.long)
         step.run(torch.zeros(2, 8), [], [], slots, torch.zeros(2, 1), torch.ones(2))
+
+
+def test_compile_leaves_a_model_the_fused_step_takes_to_it(ops, tiny_models):
+    # the fused step is faster than the compiled one-sequence graph and takes batched steps too: asking
+    # for compile compiles nothing (no warm-up, no graph) and decodes as the plain engine does
+    plain = _engine(tiny_models["gemma3"])
+    compiled = _engine(tiny_models["gemma3"], compile=True)
+    assert compiled.runner.fused is not None and compiled.runner.compiled is None
+    assert compiled.runner.num_steps == 0  # no warm-up generation ran
+    assert _decode(compiled, together=True) == _decode(plain, together=True)
+    # a model the fused step does not take still compiles (int8 weights)
+    assert _engine(tiny_models["llama"], quantization="int8", compile=True).runner.compiled is not None

@@ -208,8 +208,9 @@ def _add_execution(group: argparse._ActionsContainer) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=_DEFAULTS.compile,
-        help="torch.compile one-sequence decode steps at load (needs a C++ compiler; minutes the first "
-        "time, graphs cached under --cache-dir; default: no)",
+        help="torch.compile one-sequence decode steps at load, for models the fused decode step does not "
+        "take (MoE, MLA, int8/fp8, a quantized KV cache; it is faster where it does): needs a C++ compiler, "
+        "minutes the first time, graphs cached under --cache-dir (default: no)",
     )
     group.add_argument(
         "--prepared-cache",

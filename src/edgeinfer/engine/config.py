@@ -81,10 +81,11 @@ class EngineConfig:
     # perplexity rise goes +5.9 % -> +4.5 % (16,384 tokens; docs/quantization.md); it costs ~5 minutes at
     # load on 2 cores, so for serving quantize once with `edgeinfer quantize --gptq`.
     gptq_calibration: str | None = None
-    # torch.compile one-sequence decode steps, the whole forward as one graph (model/compile.py). Needs
-    # a C++ compiler; compiles for ~2-3 minutes on first use; falls back to eager with a warning. Gemma 3
-    # 270M int4, 1 thread: 28.0 -> 20.5 ms a step. Inductor's fp32 intermediates can change greedy tokens,
-    # so it is off by default.
+    # torch.compile one-sequence decode steps, the whole forward as one graph (model/compile.py), for
+    # models the fused C++ decode step does not take (MoE, MLA, int8/fp8 weights, a quantized KV cache,
+    # torch's kernels): where it takes the model it is faster than the graph, so nothing is compiled.
+    # Needs a C++ compiler; compiles for ~2-3 minutes on first use; falls back to eager with a warning.
+    # Inductor's fp32 intermediates can change greedy tokens, so it is off by default.
     compile: bool = False
     kv_cache_dtype: str = "auto"
     # The paged-attention backend by its name in engine/attention/registry.py; every backend there passes

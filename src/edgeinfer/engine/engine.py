@@ -119,7 +119,7 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        if config.compile:
+        if self.runner.compiled is not None:
             self._warm_up()
         for ids in public_token_ids(self.tokenizer, config.public_prefixes, config.public_system_prompts):
             self.add_public_prefix(ids)
