@@ -10,6 +10,7 @@ from tokenizer_files import write_spm_gguf
 
 from edgeinfer.engine.direct_tokenizer import DirectTokenizer
 from edgeinfer.engine.model.loader import CheckpointError, open_checkpoint
+from edgeinfer.engine.spm_tokenizer import SpmTokenizer
 from edgeinfer.engine.tokenizer import Tokenizer
 
 TEXTS = ["Hello world", "naïve café 漢字 🙂🚀", "  leading spaces", "line\nbreaks\tand tabs", ""]
@@ -67,13 +68,14 @@ def test_gguf_tokenizer_is_cached_and_rebuilt_when_the_file_changes(tmp_path: Pa
     assert cached.eos_token_ids == first.eos_token_ids
 
 
-def _assert_reads_alike(cache: Path, texts: list[str]) -> None:
-    """Cached starts read the tokenizer saved from GGUF metadata through `tokenizers` directly; it must
-    encode and decode as the class AutoTokenizer builds from the same directory."""
+def _assert_reads_alike(cache: Path, texts: list[str], kind: type) -> None:
+    """Cached starts read the tokenizer saved from GGUF metadata without transformers (`kind`: through
+    SentencePiece or `tokenizers`); it must encode and decode as the class AutoTokenizer builds from the same
+    directory."""
     from edgeinfer.engine.tokenizer import _load_pretrained, _load_saved
 
     fast, auto = _load_saved(cache), _load_pretrained(cache)
-    assert isinstance(fast, DirectTokenizer)  # not transformers' class: the comparison means something
+    assert isinstance(fast, kind)  # not transformers' class: the comparison means something
     for text in texts:
         for special in (True, False):
             assert fast.encode(text, add_special_tokens=special) == auto.encode(
@@ -87,18 +89,35 @@ def _assert_reads_alike(cache: Path, texts: list[str]) -> None:
     assert ours == (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id, len(auto), auto.all_special_ids)
 
 
-def test_saved_gguf_tokenizer_reads_as_autotokenizer_does(tmp_path: Path) -> None:
-    path = write_spm_gguf(tmp_path / "m.gguf")
+@pytest.mark.parametrize("arch,kind", [("llama", DirectTokenizer), ("gemma3", SpmTokenizer)])
+def test_saved_gguf_tokenizer_reads_as_autotokenizer_does(tmp_path: Path, arch, kind) -> None:
+    # a vocabulary with a dummy space prefix (Llama 2's) keeps `tokenizers`; one without (Gemma's) is read
+    # by SentencePiece
+    path = write_spm_gguf(tmp_path / "m.gguf", arch)
     Tokenizer.from_checkpoint(open_checkpoint(path))
-    _assert_reads_alike(tmp_path / "m.gguf.tokenizer", [*TEXTS, "<s>hi</s> <end_of_turn>x", "hello world 漢"])
+    texts = [*TEXTS, "<s>hi</s> <end_of_turn>x", "hello world 漢", "  the  model\n\n edge"]
+    _assert_reads_alike(tmp_path / "m.gguf.tokenizer", texts, kind)
 
 
 @pytest.mark.gemma
 def test_saved_gemma_tokenizer_reads_as_gemma_tokenizer_does(gemma_tokenizer: Tokenizer) -> None:
-    """Gemma's own class (GemmaTokenizer) against the direct read of the same saved files."""
+    """Gemma's own class (GemmaTokenizer) against the SentencePiece read of the same saved files."""
     cache = open_checkpoint("gemma-3-270m").tokenizer_dir
     texts = [*TEXTS, "<start_of_turn>user\nHi<end_of_turn>\n", "𓀀 needs byte fallback", "a  b   c\n\n"]
-    _assert_reads_alike(cache, texts)
+    _assert_reads_alike(cache, texts, SpmTokenizer)
+
+
+def test_a_sentencepiece_form_that_reads_otherwise_is_not_kept(tmp_path: Path, monkeypatch) -> None:
+    from edgeinfer.engine import spm_tokenizer
+
+    real = spm_tokenizer.SpmTokenizer.encode
+    one_short = lambda self, text, **kwargs: real(self, text, **kwargs)[:-1]  # noqa: E731
+    monkeypatch.setattr(spm_tokenizer.SpmTokenizer, "encode", one_short)
+    path = write_spm_gguf(tmp_path / "m.gguf", "gemma3")
+    Tokenizer.from_checkpoint(open_checkpoint(path))
+    cache = tmp_path / "m.gguf.tokenizer"
+    assert not (cache / spm_tokenizer.MODEL_FILE).exists()
+    _assert_reads_alike(cache, TEXTS, DirectTokenizer)
 
 
 def test_unloadable_tokenizer_is_a_checkpoint_error(tmp_path: Path) -> None:

@@ -44,9 +44,10 @@ def write_bpe_checkpoint(path: Path, chat_template: str | None = None) -> Path:
     return path
 
 
-def write_spm_gguf(path: Path) -> Path:
-    """A llama GGUF whose vocabulary is SentencePiece-style: control tokens, 256 byte-fallback tokens,
-    single characters and a few whole words (with the ▁ space marker)."""
+def write_spm_gguf(path: Path, arch: str = "llama") -> Path:
+    """A GGUF whose vocabulary is SentencePiece-style: control tokens, 256 byte-fallback tokens, single
+    characters, a few whole words (with the ▁ space marker) and user-defined runs of spaces and newlines.
+    `llama` reads it with a dummy space prefix (as Llama 2's), `gemma3` without (as Gemma's)."""
     chars = sorted(set("".join(GGUF_WORDS)) | set("abcdefghijklmnopqrstuvwxyz.,!?"))
     words = [f"▁{word}" for word in GGUF_WORDS]
     tokens = [
@@ -58,19 +59,22 @@ def write_spm_gguf(path: Path) -> Path:
         "▁",
         *chars,
         *words,
+        "  ",
+        "\n\n",
     ]
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
     shape = {"context_length": 64, "embedding_length": 32, "block_count": 1, "feed_forward_length": 64}
     for key, value in {**shape, "attention.head_count": 2}.items():
-        writer.add_uint32(f"llama.{key}", value)
+        writer.add_uint32(f"{arch}.{key}", value)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * 260 + [-float(i) for i in range(len(tokens) - 260)])
-    writer.add_token_types([2, 3, 3, 3] + [6] * 256 + [1] * (len(tokens) - 260))
+    writer.add_token_types([2, 3, 3, 3] + [6] * 256 + [1] * (len(tokens) - 262) + [4, 4])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
+    writer.add_add_space_prefix(arch != "gemma3")
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -71,29 +71,40 @@ class DirectTokenizer:
         return self._json_path.read_text(encoding="utf-8")
 
 
-def read_direct(directory: Path) -> DirectTokenizer | None:
-    """The tokenizer saved in `directory`; None when its config has settings only transformers applies."""
+def read_specials(directory: Path) -> dict[str, str] | None:
+    """The special tokens named in `directory`'s tokenizer_config.json; None when the config has settings
+    only transformers applies."""
     config = json.loads((directory / "tokenizer_config.json").read_text())
     specials = {k: v for k, v in config.items() if k in SPECIAL_NAMES and v is not None}
     others = set(config) - set(SPECIAL_NAMES) - _INERT_KEYS
     if others or not all(isinstance(v, str) for v in specials.values()):
         return None
+    return specials
+
+
+def read_chat_template(directory: Path) -> str | None:
+    template = directory / "chat_template.jinja"
+    return template.read_text() if template.is_file() else None
+
+
+def read_direct(directory: Path, specials: dict[str, str]) -> DirectTokenizer | None:
+    """The tokenizer saved in `directory`, with the `specials` of its config; None when it pads or
+    truncates."""
     json_path = directory / "tokenizer.json"
     backend = RustTokenizer.from_file(str(json_path))
     if backend.padding is not None or backend.truncation is not None:
         return None
     tok = DirectTokenizer(backend, specials, json_path)
-    template = directory / "chat_template.jinja"
-    if template.is_file():
-        tok.chat_template = template.read_text()
+    tok.chat_template = read_chat_template(directory)
     return tok
 
 
 def serialized_tokenizer(hf: Any) -> str:
     """The `tokenizers` JSON of a fast tokenizer (ours or HF's) without padding or truncation, as
     llguidance reads it (what `llguidance.hf` builds, without importing transformers here)."""
-    if isinstance(hf, DirectTokenizer):
-        return hf.serialized()
+    saved = getattr(hf, "serialized", None)  # ours (DirectTokenizer, SpmTokenizer) keep the file they read
+    if callable(saved):
+        return saved()
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
         raise ValueError("only fast tokenizers are supported")

@@ -9,11 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from edgeinfer.engine.attention.oneshot import prefill_hidden
 from edgeinfer.engine.attention.storage import kv_bytes_per_token
@@ -21,6 +19,7 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.model.loader import Checkpoint
 from edgeinfer.engine.model.loader.base import cast_floating
 from edgeinfer.engine.model.registry import build_model
+from edgeinfer.engine.model.skip_init import SkipInit
 from edgeinfer.engine.prepared import PreparedCache, cache_root, entry_key, source_digest
 from edgeinfer.engine.quant import kernels
 from edgeinfer.engine.quant.apply import quantize_model
@@ -94,7 +93,7 @@ def _build(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, mla_mode:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            with torch.device(device), _SkipInit() if device.type == "meta" else contextlib.nullcontext():
+            with torch.device(device), SkipInit() if device.type == "meta" else contextlib.nullcontext():
                 return build_model(ckpt.config, mla_mode)
         finally:
             torch.set_default_dtype(previous)
@@ -144,20 +143,6 @@ def _kernel_targets(model: nn.Module, required: bool) -> tuple[list[PreparedModu
 def _gemv_layers(model: nn.Module) -> list[PreparedModule]:
     modules = (m for m in model.modules() if isinstance(m, PreparedModule))
     return [m for m in modules if m.method.name in kernels.METHODS]
-
-
-class _SkipInit(TorchFunctionMode):
-    """Random initialisation skipped while a meta model is built for the cache to fill: meta tensors
-    hold no values, and `normal_` on them alone imports torch's compiler stack (1-3 s)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _INIT_OPS:
-            return args[0] if args else kwargs["tensor"]  # nn.init passes the tensor by keyword
-        return func(*args, **kwargs)
-
-
-_INIT_OPS = frozenset({"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "xavier_uniform_"})
 
 
 def _prepared_cache(

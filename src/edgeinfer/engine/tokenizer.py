@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from edgeinfer.engine.chat_messages import normalize_messages
 from edgeinfer.engine.chat_templates import builtin_template, handles_tools, render_template
-from edgeinfer.engine.direct_tokenizer import DirectTokenizer, read_direct
+from edgeinfer.engine.direct_tokenizer import DirectTokenizer, read_chat_template, read_direct, read_specials
 from edgeinfer.engine.model.loader import Checkpoint, CheckpointError
 from edgeinfer.engine.model.loader.errors import one_line
+from edgeinfer.engine.model.loader.gguf_file import GGUFFile
+from edgeinfer.engine.spm_tokenizer import ADDED_FILE, MODEL_FILE, SpmTokenizer, agrees, read_spm, write_spm
 from edgeinfer.structured.formats import FORMATS, THINKING_FORMATS, format_for
 from edgeinfer.structured.prompt import json_form_messages
 
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 # Tokens that end an assistant turn in the chat formats of common families; generation stops on them too.
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")
 _SOURCE_STAMP = "edgeinfer_source.json"
+_CACHE_FORMAT = 2  # 2: with the SentencePiece form where it reads alike; older caches are rebuilt once
 
 
 class Tokenizer:
@@ -161,27 +164,63 @@ def _gguf_tokenizer(gguf_path: Path, cache_dir: Path) -> PreTrainedTokenizerBase
         raise CheckpointError(
             f"{gguf_path}: cannot build a tokenizer from GGUF metadata ({one_line(exc)})"
         ) from exc
-    _save_cache(hf, cache_dir, stamp)
+    _save_cache(hf, cache_dir, stamp, gguf_path)
     return hf
 
 
-def _load_saved(directory: Path) -> PreTrainedTokenizerBase | DirectTokenizer:
-    """The tokenizer we saved from GGUF metadata, read through `tokenizers` directly (`DirectTokenizer`).
-    AutoTokenizer builds the family's class (Gemma's), which parses the 33 MB tokenizer.json in Python and
-    then deep-copies the result: on Gemma 3 270M 2.3x the time, plus ~1 s to import transformers. The
-    saved tokenizer.json holds the normalizer, pre-tokenizer, post-processor and added tokens, so the
-    result encodes alike (tests/tokenizer/test_direct_tokenizer.py compares them)."""
+def _load_saved(directory: Path) -> PreTrainedTokenizerBase | DirectTokenizer | SpmTokenizer:
+    """The tokenizer we saved from GGUF metadata, read without transformers: its SentencePiece form where
+    one was written (`SpmTokenizer`, ~0.08 s for Gemma 3), else tokenizer.json through `tokenizers`
+    (`DirectTokenizer`, ~1.3 s). AutoTokenizer builds the family's class (Gemma's), which parses the 33 MB
+    tokenizer.json in Python and then deep-copies the result: on Gemma 3 270M 2.3x the time, plus ~1 s to
+    import transformers. The saved files hold the normaliser, pre-tokenizer, post-processor and added tokens,
+    so the result encodes alike (tests/tokenizer/test_tokenizer_api.py compares them)."""
     try:
-        direct = read_direct(directory)
+        specials = read_specials(directory)
+        if specials is None:
+            return _load_pretrained(directory)
+        fast = read_spm(directory, specials) or read_direct(directory, specials)
     except Exception as exc:  # tokenizers raises plain Exception; transformers may still read it
         log.warning("reading the saved tokenizer in %s directly failed (%s)", directory, one_line(exc))
         return _load_pretrained(directory)
-    return direct if direct is not None else _load_pretrained(directory)
+    if fast is None:
+        return _load_pretrained(directory)
+    fast.chat_template = read_chat_template(directory)
+    return fast
+
+
+def _write_spm(directory: Path, gguf_path: Path, hf: PreTrainedTokenizerBase) -> None:
+    """The SentencePiece form of a SentencePiece-vocabulary GGUF's tokenizer, kept only where it encodes
+    and decodes a sample as `hf` does; any failure leaves tokenizer.json alone in the cache."""
+    try:
+        metadata = GGUFFile(gguf_path, keep_string_arrays={"tokenizer.ggml.tokens"}).metadata
+        # With a dummy prefix (Llama 2's vocabulary) transformers prepends `▁` to the text's first section
+        # only, SentencePiece to every piece it is handed between added tokens: Gemma's has none.
+        if (
+            metadata.get("tokenizer.ggml.model") != "llama"
+            or "tokenizer.ggml.scores" not in metadata
+            or metadata.get("tokenizer.ggml.add_space_prefix", True)
+        ):
+            return
+        added = [
+            {"id": i, "content": a.content, "special": a.special} for i, a in hf.added_tokens_decoder.items()
+        ]
+        write_spm(directory, metadata, added)
+        specials = {k: v for k, v in hf.special_tokens_map.items() if isinstance(v, str)}
+        spm = read_spm(directory, specials)
+        kept = spm is not None and agrees(spm, hf)
+    except (CheckpointError, OSError, RuntimeError, ValueError, KeyError) as exc:
+        log.warning("%s: no SentencePiece form of the tokenizer (%s)", gguf_path, one_line(exc))
+        kept = False
+    if not kept:
+        log.warning("%s: SentencePiece reads this vocabulary unlike transformers; not kept", gguf_path)
+        for name in (MODEL_FILE, ADDED_FILE):
+            (directory / name).unlink(missing_ok=True)
 
 
 def _source_stamp(path: Path) -> dict[str, Any]:
     stat = path.stat()
-    return {"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "format": _CACHE_FORMAT}
 
 
 def _cached_stamp(cache_dir: Path) -> dict[str, Any] | None:
@@ -191,11 +230,12 @@ def _cached_stamp(cache_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _save_cache(hf: PreTrainedTokenizerBase, cache_dir: Path, stamp: dict[str, Any]) -> None:
+def _save_cache(hf: PreTrainedTokenizerBase, cache_dir: Path, stamp: dict[str, Any], gguf_path: Path) -> None:
     """Save atomically (a finished directory is renamed into place); a read-only place skips caching."""
     tmp = cache_dir.with_name(f".{cache_dir.name}.{os.getpid()}.tmp")
     try:
         hf.save_pretrained(str(tmp))
+        _write_spm(tmp, gguf_path, hf)
         (tmp / _SOURCE_STAMP).write_text(json.dumps(stamp))
         if cache_dir.exists():
             shutil.rmtree(cache_dir)

@@ -16,6 +16,7 @@ from edgeinfer.engine.model.encoders import build_encoder, is_encoder_config
 from edgeinfer.engine.model.loader import CheckpointError, open_checkpoint
 from edgeinfer.engine.model.loader.safetensors_checkpoint import SafetensorsCheckpoint
 from edgeinfer.engine.model.pooling import pool
+from edgeinfer.engine.model.skip_init import SkipInit
 from edgeinfer.engine.quant import kernels
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class Embedder:
         self.dtype = encoder_dtype(config.dtype, self.device)
         head_dim = ckpt.config["hidden_size"] // ckpt.config["num_attention_heads"]
         self.attention = choose_attention(config.attention, self.device, head_dim)
-        with torch.device(self.device):
+        with torch.device(self.device), SkipInit():  # load_weights fills every parameter or refuses
             model = build_encoder(ckpt.config, self.attention).to(self.dtype)
         model.load_weights(ckpt.iter_tensors(self.dtype))
         self.model = model.eval().requires_grad_(False)
