@@ -1,14 +1,18 @@
 """Float models' linear layers through `bf16_gemv` (bf16_gemv.cpp) when a product has few rows.
 
 A decode step of a few sequences multiplies every weight by a few activation rows; there torch's bf16
-GEMM reaches a fraction of the memory bandwidth and our kernel streams the weight as stored. Wider
-products (prefill, batched decode) keep torch's GEMM, which blocks for the cache. Where it crosses over
-depends on the CPU. Intel Xeon with AMX, 1 thread (CPU time, loaded machine) at 1 / 2 / 4 / 8 rows:
-4096 x 640 0.10 / 0.20 / 0.37 / 0.83 ms, torch 0.27 / 0.26 / 0.38 / 0.58; 640 x 2048 0.038 / 0.073 /
-0.16 / 0.29, torch 0.14 / 0.14 / 0.16 / 0.22; the 262k x 640 Gemma lm_head 31.7 / 44.5 / 52.4 / 62.5,
-torch 39.9 / 45.4 / 48.2 / 50.4. AMD EPYC (AVX512-BF16, no AMX), 2 threads, at 4 / 8 rows: lm_head
-10.1 / 15.4 ms, torch 13.9 / 16.7; 4096 x 640 0.098 / 0.151, torch 0.114 / 0.123; 640 x 2048 0.056 /
-0.086, torch 0.061 / 0.070. So up to 4 rows take the kernel, 2 where the CPU has AMX.
+GEMM reaches a fraction of the memory bandwidth and our kernel streams the weight as stored, each weight
+row against four activation rows at a time. Wider products (prefill, larger batches) keep torch's GEMM,
+which blocks for the cache. Where it crosses over depends on the CPU:
+
+- AMD EPYC (Zen 4, AVX512-BF16, no AMX), 2 threads, 2026-12-04, kernel over torch at 1 / 4 / 8 / 16 / 32
+  rows: the 262k x 640 Gemma lm_head 3.2 / 2.3 / 1.7 / 1.4 / 1.1x; 4096 x 640 2.2 / 1.9 / 1.4 / 1.1 /
+  0.9x; 1536 x 640 2.0 / 2.0 / 1.6 / 1.2 / 0.9x. So up to 16 rows take the kernel where it runs on
+  AVX-512.
+- Intel Xeon with AMX, 1 thread (an older form of the kernel, two activation rows a pass) at 1 / 2 / 4 /
+  8 rows: 4096 x 640 0.10 / 0.20 / 0.37 / 0.83 ms, torch 0.27 / 0.26 / 0.38 / 0.58; the lm_head 31.7 /
+  44.5 / 52.4 / 62.5, torch 39.9 / 45.4 / 48.2 / 50.4: oneDNN's AMX GEMM wins from 4 rows, so 2 there.
+- AVX2 only (two activation rows a pass, half the registers): 4, as measured on that CPU before.
 """
 
 from __future__ import annotations
@@ -19,8 +23,15 @@ from torch.nn import functional as F
 
 from edgeinfer.engine.quant.kernels import cpu_flags
 
-# products of up to this many rows take the kernel
-GEMV_ROWS = 2 if "amx_bf16" in cpu_flags() else 4
+
+def _gemv_rows(flags: frozenset[str]) -> int:
+    """Products of up to this many rows take the kernel (module docstring)."""
+    if "amx_bf16" in flags:
+        return 2
+    return 16 if {"avx512f", "avx512bw", "avx512vl"} <= flags else 4
+
+
+GEMV_ROWS = _gemv_rows(cpu_flags())
 
 
 class GemvLinear(nn.Linear):

@@ -3,7 +3,7 @@
 // A one-sequence decode step reads every weight once, so its speed is how fast the weights stream from
 // memory. torch's bf16 GEMV on CPU reaches a fraction of that on wide matrices (the 262k x 640 Gemma
 // lm_head); these read W row-major as stored (nn.Linear's weight, the tied embedding: no second copy),
-// one weight row at a time against up to two activation rows, with fp32 sums:
+// one weight row at a time against up to four activation rows (two with AVX2), with fp32 sums:
 //
 //   avx512_bf16: `vdpbf16ps`, 32 bf16 products per instruction, on the bf16 operands as they are;
 //   avx512 / avx2: weights widened to fp32 by a 16-bit shift (bf16 is the top half of an fp32), FMA
@@ -43,7 +43,7 @@ namespace {
 using edgeinfer_cpu::Isa;
 
 constexpr int kRows = 8;  // weight rows per tile
-constexpr int kM = 2;     // activation rows per tile
+constexpr int kM = 4;     // activation rows per tile (AVX2, with half the registers: 2)
 constexpr int kU = 4;     // independent sums per activation row, so a row's dot product is not one chain
 constexpr int64_t kGrainBytes = 64 * 1024;
 
@@ -183,18 +183,23 @@ EDGEINFER_TARGET_AVX2 void tile_avx2(const Operands& op, const uint16_t* w, int6
 }
 #endif
 
-// Tile functions of one variant, indexed [MB - 1][R - 1].
+// Tile functions of one variant, indexed [MB - 1][R - 1]; a variant with fewer registers stops at 2 rows.
 #define EDGEINFER_ROW(fn, mb) {fn<mb, 1>, fn<mb, 2>, fn<mb, 3>, fn<mb, 4>, fn<mb, 5>, fn<mb, 6>, fn<mb, 7>, fn<mb, 8>}
 #define EDGEINFER_TABLE(fn) \
+  std::array<std::array<TileFn, kRows>, kM> { \
+    { EDGEINFER_ROW(fn, 1), EDGEINFER_ROW(fn, 2), EDGEINFER_ROW(fn, 3), EDGEINFER_ROW(fn, 4) } \
+  }
+#define EDGEINFER_TABLE_2(fn) \
   std::array<std::array<TileFn, kRows>, kM> { \
     { EDGEINFER_ROW(fn, 1), EDGEINFER_ROW(fn, 2) } \
   }
 
 using Tiles = std::array<std::array<TileFn, kRows>, kM>;
 
-// The variant this call runs, and whether it reads the activations in fp32.
+// The variant this call runs, the activation rows one tile takes, and whether it reads them in fp32.
 struct Variant {
   const Tiles* tiles;
+  int64_t rows_per_tile;
   bool wants_fp32;
   const char* name;
 };
@@ -204,12 +209,12 @@ Variant pick_variant() {
 #if EDGEINFER_X86
   static const Tiles bf16 = EDGEINFER_TABLE(tile_avx512_bf16);
   static const Tiles avx512 = EDGEINFER_TABLE(tile_avx512);
-  static const Tiles avx2 = EDGEINFER_TABLE(tile_avx2);
-  if (edgeinfer_cpu::isa_allows(Isa::kAvx512Bf16)) return {&bf16, false, "avx512_bf16"};
-  if (edgeinfer_cpu::isa_allows(Isa::kAvx512)) return {&avx512, true, "avx512"};
-  if (edgeinfer_cpu::isa_allows(Isa::kAvx2)) return {&avx2, true, "avx2"};
+  static const Tiles avx2 = EDGEINFER_TABLE_2(tile_avx2);  // 16 ymm registers: 2 rows x kU sums
+  if (edgeinfer_cpu::isa_allows(Isa::kAvx512Bf16)) return {&bf16, kM, false, "avx512_bf16"};
+  if (edgeinfer_cpu::isa_allows(Isa::kAvx512)) return {&avx512, kM, true, "avx512"};
+  if (edgeinfer_cpu::isa_allows(Isa::kAvx2)) return {&avx2, 2, true, "avx2"};
 #endif
-  return {&scalar, true, "scalar"};
+  return {&scalar, kM, true, "scalar"};
 }
 
 void check(const at::Tensor& x, const at::Tensor& w, const at::Tensor& out) {
@@ -254,8 +259,8 @@ void bf16_gemv_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
     float sums[kM * kRows];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kRows, rows = std::min<int64_t>(kRows, n - n0);
-      for (int64_t m0 = 0; m0 < m_rows; m0 += kM) {
-        const int64_t mb = std::min<int64_t>(kM, m_rows - m0);
+      for (int64_t m0 = 0; m0 < m_rows; m0 += v.rows_per_tile) {
+        const int64_t mb = std::min<int64_t>(v.rows_per_tile, m_rows - m0);
         (*v.tiles)[mb - 1][rows - 1](op, op.w + n0 * k, m0, sums, kRows);
         store(sums, mb, rows, out, m0, n0);
       }
