@@ -10,11 +10,11 @@ SentencePiece's model proto (`spm.model`) beside the saved tokenizer.json, with 
 
 It encodes as transformers' tokenizer of the same GGUF does: added tokens (control tokens such as
 `<start_of_turn>`, and the non-special ones such as newline runs) are matched in the raw text first, leftmost
-and longest, and the text between them is encoded by SentencePiece's BPE (merges by piece score, byte
-fallback); BOS goes first with `add_special_tokens`. Decoding joins SentencePiece's decode of the runs between
-added tokens with the added tokens' text. When the saved files were
-written, the result was checked against the transformers tokenizer on a sample (`agrees`); a tokenizer that
-disagrees is not written, and `tokenizers` reads tokenizer.json instead.
+and longest, and the text between them is encoded by SentencePiece's BPE (merges by piece priority, byte
+fallback); BOS goes first with `add_special_tokens`. Decoding joins SentencePiece's decode of the pieces
+between added tokens, the added tokens' text, and runs of byte pieces decoded as transformers' ByteFallback
+does. When the files are written the result is checked against the transformers tokenizer on a sample
+(`agrees`); one that disagrees is not kept, and `tokenizers` reads tokenizer.json instead.
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ def write_spm(directory: Path, metadata: dict[str, Any], added: Sequence[dict[st
         types[unk] = _UNKNOWN
     body = bytearray()
     for piece, score, kind in zip(tokens, scores, types, strict=True):
-        body += _message(1, _bytes(1, piece.encode()) + _float(2, score) + _int(3, kind))
-    body += _message(2, _trainer_spec(metadata, len(tokens)))
+        body += _bytes(1, _bytes(1, piece.encode()) + _float(2, score) + _int(3, kind))
+    body += _bytes(2, _trainer_spec(metadata, len(tokens)))
     # no normalisation but spaces escaped as ▁, no dummy prefix, spaces kept as they are
-    body += _message(3, _bytes(1, b"identity") + _int(3, 0) + _int(4, 0) + _int(5, 1))
+    body += _bytes(3, _bytes(1, b"identity") + _int(3, 0) + _int(4, 0) + _int(5, 1))
     (directory / MODEL_FILE).write_bytes(bytes(body))
     entries = [[int(a["id"]), a["content"], bool(a["special"])] for a in added]
     (directory / ADDED_FILE).write_text(json.dumps(entries, ensure_ascii=False))
@@ -99,11 +99,8 @@ def _float(field: int, value: float) -> bytes:
 
 
 def _bytes(field: int, value: bytes) -> bytes:
+    """A length-delimited field: a string, or an embedded message's encoding."""
     return _varint(field << 3 | 2) + _varint(len(value)) + value
-
-
-def _message(field: int, body: bytes) -> bytes:
-    return _bytes(field, body)
 
 
 class AddedTokens:
@@ -167,7 +164,7 @@ class SpmTokenizer:
         self.chat_template: str | None = None
         self._json_path = directory / "tokenizer.json"
         byte_ids = (self._id(f"<0x{b:02X}>") for b in range(256))
-        self._bytes = {token_id: b for b, token_id in enumerate(byte_ids) if token_id is not None}
+        self._byte_of = {token_id: b for b, token_id in enumerate(byte_ids) if token_id is not None}
         for name in SPECIAL_NAMES:
             token = specials.get(name)
             setattr(self, name, token)
@@ -205,7 +202,7 @@ class SpmTokenizer:
         pieces: list[int] = []  # a run of vocabulary pieces, decoded by SentencePiece
         raw = bytearray()  # a run of byte pieces
         for token_id in ids:
-            byte = self._bytes.get(token_id)
+            byte = self._byte_of.get(token_id)
             if byte is not None:
                 self._flush_pieces(pieces, out)
                 raw.append(byte)
