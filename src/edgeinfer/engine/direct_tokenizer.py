@@ -12,6 +12,7 @@ Serving only needs that much, and importing transformers costs ~1 s of a ~4 s ca
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +24,39 @@ SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token"
 _INERT_KEYS = frozenset({"backend", "is_local", "local_files_only", "model_max_length", "tokenizer_class"})
 
 
-class DirectTokenizer:
-    """`tokenizers.Tokenizer` with the special tokens of its config, shaped like HF's fast tokenizer."""
+class SavedTokenizer(ABC):
+    """What our readers of a saved tokenizer share: the special tokens of its config (`bos_token`,
+    `bos_token_id`, ... as transformers names them), its chat template, and the tokenizer.json it came with
+    (for llguidance). Subclasses look tokens up (`convert_tokens_to_ids`)."""
 
-    def __init__(self, backend: RustTokenizer, specials: dict[str, str], json_path: Path) -> None:
-        self.backend_tokenizer = backend
+    def __init__(self, specials: dict[str, str], json_path: Path) -> None:
         self.special_tokens_map = dict(specials)
         self.chat_template: str | None = None
         self._json_path = json_path
         for name in SPECIAL_NAMES:
             token = specials.get(name)
             setattr(self, name, token)
-            setattr(self, f"{name}_id", backend.token_to_id(token) if token is not None else None)
+            setattr(self, f"{name}_id", self.convert_tokens_to_ids(token) if token is not None else None)
+
+    @abstractmethod
+    def convert_tokens_to_ids(self, tokens: Any) -> Any: ...
 
     @property
     def all_special_ids(self) -> list[int]:
         ids = (getattr(self, f"{name}_id") for name in SPECIAL_NAMES)
         return list(dict.fromkeys(i for i in ids if i is not None))
+
+    def serialized(self) -> str:
+        """The tokenizer's `tokenizers` JSON as saved (without padding or truncation)."""
+        return self._json_path.read_text(encoding="utf-8")
+
+
+class DirectTokenizer(SavedTokenizer):
+    """`tokenizers.Tokenizer` with the special tokens of its config, shaped like HF's fast tokenizer."""
+
+    def __init__(self, backend: RustTokenizer, specials: dict[str, str], json_path: Path) -> None:
+        self.backend_tokenizer = backend
+        super().__init__(specials, json_path)
 
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
@@ -65,10 +82,6 @@ class DirectTokenizer:
         if isinstance(tokens, list):
             return [self.backend_tokenizer.token_to_id(t) for t in tokens]
         return self.backend_tokenizer.token_to_id(tokens)
-
-    def serialized(self) -> str:
-        """The tokenizer's `tokenizers` JSON as read (it is saved without padding or truncation)."""
-        return self._json_path.read_text(encoding="utf-8")
 
 
 def read_specials(directory: Path) -> dict[str, str] | None:
@@ -102,9 +115,8 @@ def read_direct(directory: Path, specials: dict[str, str]) -> DirectTokenizer | 
 def serialized_tokenizer(hf: Any) -> str:
     """The `tokenizers` JSON of a fast tokenizer (ours or HF's) without padding or truncation, as
     llguidance reads it (what `llguidance.hf` builds, without importing transformers here)."""
-    saved = getattr(hf, "serialized", None)  # ours (DirectTokenizer, SpmTokenizer) keep the file they read
-    if callable(saved):
-        return saved()
+    if isinstance(hf, SavedTokenizer):
+        return hf.serialized()
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
         raise ValueError("only fast tokenizers are supported")

@@ -28,7 +28,7 @@ from typing import Any
 
 import sentencepiece
 
-from edgeinfer.engine.direct_tokenizer import SPECIAL_NAMES
+from edgeinfer.engine.direct_tokenizer import SavedTokenizer
 
 MODEL_FILE = "spm.model"
 ADDED_FILE = "spm_added.json"
@@ -152,7 +152,7 @@ def _flush_bytes(raw: bytearray, out: list[str]) -> None:
         raw.clear()
 
 
-class SpmTokenizer:
+class SpmTokenizer(SavedTokenizer):
     """SentencePiece with the added tokens of its config, shaped like HF's fast tokenizer (as
     `DirectTokenizer`, which reads the same directory's tokenizer.json)."""
 
@@ -160,20 +160,9 @@ class SpmTokenizer:
         self.sp = sentencepiece.SentencePieceProcessor(model_file=str(directory / MODEL_FILE))
         entries = json.loads((directory / ADDED_FILE).read_text(encoding="utf-8"))
         self.added = AddedTokens([(int(i), str(c), bool(s)) for i, c, s in entries])
-        self.special_tokens_map = dict(specials)
-        self.chat_template: str | None = None
-        self._json_path = directory / "tokenizer.json"
         byte_ids = (self._id(f"<0x{b:02X}>") for b in range(256))
         self._byte_of = {token_id: b for b, token_id in enumerate(byte_ids) if token_id is not None}
-        for name in SPECIAL_NAMES:
-            token = specials.get(name)
-            setattr(self, name, token)
-            setattr(self, f"{name}_id", self.convert_tokens_to_ids(token) if token is not None else None)
-
-    @property
-    def all_special_ids(self) -> list[int]:
-        ids = (getattr(self, f"{name}_id") for name in SPECIAL_NAMES)
-        return list(dict.fromkeys(i for i in ids if i is not None))
+        super().__init__(specials, directory / "tokenizer.json")
 
     def __len__(self) -> int:
         """The pieces and the added tokens beyond them (transformers may add a family's specials)."""
@@ -234,10 +223,6 @@ class SpmTokenizer:
         if isinstance(tokens, list):
             return [self._id(t) for t in tokens]
         return self._id(tokens)
-
-    def serialized(self) -> str:
-        """The `tokenizers` JSON beside the model (for llguidance, read only when a grammar needs it)."""
-        return self._json_path.read_text(encoding="utf-8")
 
     def _piece(self, token_id: int) -> str | None:
         if not 0 <= token_id < len(self):
