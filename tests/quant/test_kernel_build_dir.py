@@ -4,7 +4,10 @@ other bytes at the same path do too."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,3 +35,49 @@ def test_build_directory_follows_path_and_bytes(tmp_path: Path, monkeypatch: pyt
     assert kernels._build_dir() == dirs[0]  # unchanged bytes at the same path: the same build
     first[0].write_text(first[0].read_text() + "\n// edited\n")
     assert kernels._build_dir() not in dirs
+
+
+def test_build_directory_follows_the_ninja_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ninjas keep two builds: ninja 1.12 hashes commands in its log differently from 1.11, so one
+    build directory run by both is rebuilt whenever the other ran last."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+    dirs = []
+    for name in ("one", "two"):
+        bin_dir = tmp_path / name
+        bin_dir.mkdir()
+        ninja = bin_dir / "ninja"
+        ninja.write_text("#!/bin/sh\n")
+        ninja.chmod(0o755)
+        monkeypatch.setenv("PATH", str(bin_dir))
+        dirs.append(kernels._build_dir())
+    assert dirs[0] != dirs[1]
+    assert kernels._build_dir() == dirs[1]  # the same ninja again: the same build
+
+
+def test_a_finished_build_that_does_not_load_is_linked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished build is loaded without torch's build step; if its library is damaged, the start
+    removes it and builds again (ninja relinks from the kept objects) instead of failing."""
+    kernels.load()
+    original = kernels._build_dir()
+    builds = tmp_path / "builds"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(builds))
+    copy = kernels._build_dir()
+    copy.rmdir()
+    shutil.copytree(original, copy)
+    assert (copy / kernels._FINISHED).exists()
+    (copy / f"{kernels._NAME}.so").write_bytes(b"not a shared library")
+    script = "import torch\nfrom edgeinfer.engine.quant import kernels\n"
+    script += "kernels.load()\nprint(torch.ops.edgeinfer_cpu.isa())"
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(builds)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() in kernels.ISA_LEVELS
+    assert "does not load" in done.stderr
+    assert (copy / kernels._FINISHED).exists()
