@@ -129,6 +129,18 @@ def test_truncated_file_is_refused(tmp_path: Path, gguf_path: Path, keep: int) -
         open_checkpoint(cut)
 
 
+@pytest.mark.parametrize("past_key", [40, 1000])
+def test_file_cut_inside_the_vocabulary_is_refused(tmp_path: Path, gguf_path: Path, past_key: int) -> None:
+    """The token strings are walked past in one loop that checks its bounds once, at the end."""
+    data = gguf_path.read_bytes()
+    at = data.index(b"tokenizer.ggml.tokens") + past_key
+    assert at < data.index(b"tokenizer.ggml.scores") or b"tokenizer.ggml.scores" not in data
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:at])
+    with pytest.raises(CheckpointError, match=r"cut\.gguf: truncated GGUF"):
+        open_checkpoint(cut)
+
+
 def test_wrong_magic_and_version_are_refused(tmp_path: Path, gguf_path: Path) -> None:
     data = bytearray(gguf_path.read_bytes())
     bad = tmp_path / "bad.gguf"
