@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from edgeinfer.pool.member import MemberStats, PoolMember
 from edgeinfer.pool.upstream_stats import StatsPoller
+
+if TYPE_CHECKING:  # httpx is imported where it is used: every node imports this module at start, and
+    import httpx  # httpx (with its CLI's rich) is ~0.1 s of a start that fronts no upstream engine
 
 # How often an upstream's own metrics are read: admission (rejectIfBusy, queue depth) sees its queue at
 # most this stale.
@@ -50,6 +51,8 @@ class UpstreamMember(PoolMember):
     ) -> UpstreamMember:
         """Reach the upstream, learn which model id to send (`name` if it serves that, else its first)
         and start reading its stats."""
+        import httpx
+
         base = normalize_base_url(url)
         # Long read timeout: a streamed generation may pause between tokens on a busy upstream.
         client = httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(timeout_s, connect=5.0))
@@ -79,6 +82,8 @@ class UpstreamMember(PoolMember):
 
     async def post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST `body` (with our model id) and return the JSON answer; UpstreamError on failure."""
+        import httpx
+
         self._in_flight += 1
         try:
             response = await self._client.post(path, json=self._with_model(body))
@@ -101,6 +106,8 @@ class UpstreamMember(PoolMember):
         Closing the generator early closes the HTTP response, which the upstream sees as a disconnect
         and aborts its request.
         """
+        import httpx
+
         self._in_flight += 1
         try:
             async with self._client.stream("POST", path, json=self._with_model(body)) as response:
@@ -127,6 +134,8 @@ def normalize_base_url(url: str) -> str:
 
 
 async def _model_ids(client: httpx.AsyncClient, base: str) -> list[str]:
+    import httpx
+
     try:
         response = await client.get("/v1/models")
     except httpx.HTTPError as exc:

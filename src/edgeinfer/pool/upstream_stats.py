@@ -13,11 +13,14 @@ import asyncio
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgeinfer.pool.member import MemberStats
+
+if TYPE_CHECKING:  # imported where used, as in upstream.py
+    import httpx
 
 logger = logging.getLogger("edgeinfer.pool")
 # A stats read never waits as long as a generation may (the member's client allows minutes).
@@ -93,6 +96,8 @@ class StatsPoller:
             await asyncio.sleep(self._interval_s)
 
     async def poll(self) -> None:
+        import httpx
+
         try:
             self.latest = await self._read()
             self.error = None
