@@ -406,32 +406,34 @@ EDGEINFER_TARGET_VNNI void int4_tile_vnni(const uint8_t* codes, const uint16_t* 
   __m512 acc[mb];
   for (int64_t m = 0; m < mb; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < ng; ++b) {
-    // four accumulators per row (low / high nibbles x even / odd slabs): `vpdpbusd` has a latency of
-    // several cycles, and one chain per row would wait on it
-    __m512i dot[mb][4];
-    for (int64_t m = 0; m < mb; ++m)
-      for (auto& d : dot[m]) d = _mm512_setzero_si512();
+    // two accumulators per row (low / high nibbles): `vpdpbusd` has a latency of several cycles, and with
+    // four rows eight chains keep it busy. The low one starts at -8 sum(a): sum((q - 8) * a) = sum(q * a)
+    // - 8 sum(a), exact in int32, with no subtraction after the loop.
+    __m512i dot[mb][2];
+    for (int64_t m = 0; m < mb; ++m) {
+      dot[m][0] = _mm512_set1_epi32(-8 * asum[m * ng + b]);
+      dot[m][1] = _mm512_setzero_si512();
+    }
     const uint8_t* cb = codes + b * slabs * 64;
     for (int64_t s = 0; s < slabs; ++s) {
       const __m512i v = _mm512_loadu_si512(cb + s * 64);
       const __m512i lo = _mm512_and_si512(v, low);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      const int64_t i = b * g + s * kSlab, c = 2 * (s & 1);
+      const int64_t i = b * g + s * kSlab;
       for (int64_t m = 0; m < mb; ++m) {
         int32_t q03, q47;
         std::memcpy(&q03, aq + m * k + i, 4);
         std::memcpy(&q47, aq + m * k + i + 4, 4);
-        dot[m][c] = _mm512_dpbusd_epi32(dot[m][c], lo, _mm512_set1_epi32(q03));
-        dot[m][c + 1] = _mm512_dpbusd_epi32(dot[m][c + 1], hi, _mm512_set1_epi32(q47));
+        dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], lo, _mm512_set1_epi32(q03));
+        dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], hi, _mm512_set1_epi32(q47));
       }
     }
     const __m512 sc = edgeinfer_cpu::bf16x16_to_fp32(scales + b * kTile);
     const __m512 zt = edgeinfer_cpu::bf16x16_to_fp32(zero_terms + b * kTile);
     for (int64_t m = 0; m < mb; ++m) {
-      // sum((q - 8) * a) = sum(q * a) - 8 sum(a), exact in int32; then scale it, add zero_term * sum(a)
+      // scale the exact sum, add zero_term * sum(a)
       const int32_t sum_a = asum[m * ng + b];
-      const __m512i d = _mm512_add_epi32(_mm512_add_epi32(dot[m][0], dot[m][1]), _mm512_add_epi32(dot[m][2], dot[m][3]));
-      const __m512i c = _mm512_sub_epi32(d, _mm512_set1_epi32(8 * sum_a));
+      const __m512i c = _mm512_add_epi32(dot[m][0], dot[m][1]);
       const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), sc, _mm512_mul_ps(zt, _mm512_set1_ps(static_cast<float>(sum_a))));
       acc[m] = _mm512_fmadd_ps(part, _mm512_set1_ps(as[m * ng + b]), acc[m]);
     }
