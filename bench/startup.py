@@ -6,10 +6,11 @@ and llama.cpp's llama-server on the same model, one after the other, in one run.
 
 Each of our configurations starts twice with its own empty cache directory (`--cache-dir`): the first start
 prepares the model (dequantizes the GGUF, quantizes, compiles) and fills the cache; the second loads from
-it. "Ready" is `/ready` (ours, with `--preload`) or `/health` (llama-server) answering 200; "answered" is
-when a `/v1/completions` request of 8 greedy tokens has come back. The default model's GGUF and its
-tokenizer are already assembled in the model cache before the first start (one-time install steps that
-llama-server has no counterpart of). llama-server starts on the GGUF of its own precision class
+it. "Ready" is `/ready` (ours, with `--preload gemma-3-270m`: the model llama-server loads, not the MiniLM
+embedding model a bare `--preload` adds, ~0.3-0.4 s more) or `/health` (llama-server) answering 200;
+"answered" is when a `/v1/completions` request of 8 greedy tokens has come back. The default model's GGUF
+and its tokenizer are already assembled in the model cache before the first start (one-time install steps
+that llama-server has no counterpart of). llama-server starts on the GGUF of its own precision class
 (bench/peers.py); its file is in the page cache for both of its starts, as ours is.
 """
 
@@ -36,7 +37,7 @@ import serve_report  # noqa: E402
 from docs_table import replace_section  # noqa: E402
 
 from edgeinfer.bench.process import ServerProcess  # noqa: E402
-from edgeinfer.engine.model.loader.default_model import resolve_default_model  # noqa: E402
+from edgeinfer.engine.model.loader.default_model import DEFAULT_MODEL, resolve_default_model  # noqa: E402
 
 DOCS = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results"
@@ -101,7 +102,7 @@ def ours(config: str, port: int, threads: int, timeout_s: float) -> tuple[Start,
     """First start (empty cache) and second start of `edgeinfer serve` in `config`."""
     cache = CACHES / config.replace(" ", "").replace("-", "_")
     shutil.rmtree(cache, ignore_errors=True)
-    argv = [sys.executable, "-m", "edgeinfer.cli", "serve", "--preload", "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "edgeinfer.cli", "serve", "--preload", DEFAULT_MODEL, "--host", "127.0.0.1",
             "--port", str(port), "--no-access-log", "--usage-db", str(RESULTS / "usage.sqlite"),
             "--cache-dir", str(cache), *CONFIGS[config]]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
@@ -161,7 +162,8 @@ def describe(args: argparse.Namespace, rows: list[Row]) -> str:
     setup = (
         "Command: `python bench/startup.py [--configs ...]` (rows kept in bench/results/startup-CPU.json, "
         "each rerun replaces its own). Gemma 3 270M; ours from its "
-        "Q4_K_M GGUF (`edgeinfer serve --preload`, `--cache-dir` emptied before the first start); "
+        "Q4_K_M GGUF (`edgeinfer serve --preload gemma-3-270m`, the one model llama-server loads; "
+        "`--cache-dir` emptied before the first start); "
         f"llama-server (llama-cpp-python {peers.LLAMA_CPP_PYTHON_VERSION}) on the GGUF of the same class "
         "(BF16, Q8_0, Q4_K_M). Ready: `/ready` or `/health` answers 200; answered: an 8-token greedy "
         "completion has come back."
