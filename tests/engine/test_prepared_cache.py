@@ -4,7 +4,9 @@ damaged entry is rejected and rebuilt, a changed source or setting misses, and t
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.loading import load_model
 from edgeinfer.engine.model.loader import open_checkpoint
+from edgeinfer.engine.prepared import store
 from edgeinfer.engine.quant import kernels
 from edgeinfer.engine.quant.layers import PreparedModule
 
@@ -175,3 +178,21 @@ def test_a_failed_kernel_build_is_not_cached(tiny_models, tmp_path, monkeypatch)
     monkeypatch.delenv(kernels.ISA_ENV)
     load(path, tmp_path)
     assert len(entries(tmp_path)) == 1
+
+
+def test_entries_unused_for_weeks_are_removed_when_one_is_written(tiny_models, tmp_path):
+    """A load marks its entry used; writing an entry removes the others unused for `UNUSED_DAYS`."""
+    path = tiny_models["llama"]
+    load(path, tmp_path)
+    (used,) = entries(tmp_path)
+    weeks_ago = time.time() - (store.UNUSED_DAYS + 1) * 86400
+    os.utime(used, (weeks_ago, weeks_ago))
+    load(path, tmp_path)  # a hit: the entry is in use again
+    assert used.stat().st_mtime > weeks_ago + 86400
+    stale = used.with_name("0" * 32 + ".safetensors")
+    shutil.copy(used, stale)
+    os.utime(stale, (weeks_ago, weeks_ago))
+    recent = used.with_name("1" * 32 + ".safetensors")
+    shutil.copy(used, recent)
+    load(path, tmp_path, "int8")  # writes a new entry
+    assert not stale.exists() and recent.exists() and used.exists() and len(entries(tmp_path)) == 3

@@ -6,10 +6,16 @@ tensor's bytes. Loading checks the digest (~25 ms per GB from the page cache) be
 used: a truncated file fails to open, a flipped byte fails the digest, and either way the entry is
 deleted and the model is loaded afresh. Entries are written to a temporary file and renamed, so a
 concurrent reader sees a whole entry or none.
+
+A load marks its entry used (its mtime); writing an entry removes those unused for `UNUSED_DAYS`. A new
+edgeinfer, torch or CPU keys every model afresh, and the entries it leaves behind (hundreds of MB each)
+would otherwise stay forever. Age rather than lineage: two installs that share a cache directory each keep
+their own entries while both are in use, instead of deleting each other's at every switch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +33,7 @@ from edgeinfer.engine.prepared.snapshot import NotCacheable, capture, restore
 log = logging.getLogger(__name__)
 
 _META_KEY = "edgeinfer.prepared"
+UNUSED_DAYS = 14
 
 
 class PreparedCache:
@@ -52,6 +59,7 @@ class PreparedCache:
             path.unlink(missing_ok=True)
             return None
         log.info("loaded the prepared model from %s in %.2f s", path, time.perf_counter() - start)
+        _mark_used(path)
         return model
 
     def save(self, key: str, model: nn.Module, reference: nn.Module) -> bool:
@@ -74,7 +82,23 @@ class PreparedCache:
         finally:
             tmp.unlink(missing_ok=True)
         log.info("cached the prepared model in %s", path)
+        self._remove_unused(keep=path)
         return True
+
+    def _remove_unused(self, keep: Path) -> None:
+        cutoff = time.time() - UNUSED_DAYS * 86400
+        for entry in self.directory.glob("*.safetensors"):
+            try:
+                if entry != keep and entry.stat().st_mtime < cutoff:
+                    entry.unlink()
+                    log.info("removed the prepared cache entry %s (unused for %d days)", entry, UNUSED_DAYS)
+            except OSError:  # another process removed it first, or a read-only cache
+                continue
+
+
+def _mark_used(path: Path) -> None:
+    with contextlib.suppress(OSError):  # a read-only cache still serves its entries
+        os.utime(path)
 
 
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
