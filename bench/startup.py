@@ -4,14 +4,15 @@ and llama.cpp's llama-server on the same model, one after the other, in one run.
     python bench/startup.py                          # bf16, int8, int4, int4 --compile; writes the table
     python bench/startup.py --configs bf16 --no-docs
 
-Each of our configurations starts twice with its own empty cache directory (`--cache-dir`): the first start
-prepares the model (dequantizes the GGUF, quantizes, compiles) and fills the cache; the second loads from
-it. "Ready" is `/ready` (ours, with `--preload gemma-3-270m`: the model llama-server loads, not the MiniLM
-embedding model a bare `--preload` adds, ~0.3-0.4 s more) or `/health` (llama-server) answering 200;
-"answered" is when a `/v1/completions` request of 8 greedy tokens has come back. The default model's GGUF
-and its tokenizer are already assembled in the model cache before the first start (one-time install steps
-that llama-server has no counterpart of). llama-server starts on the GGUF of its own precision class
-(bench/peers.py); its file is in the page cache for both of its starts, as ours is.
+Each configuration is measured in one sitting: llama-server's first start (its GGUF in the page cache), ours
+with an empty cache directory (`--cache-dir`: the first start prepares the model, dequantizing the GGUF,
+quantizing, compiling, and fills the cache), then `--repeats` cached starts of each, taking turns; the table
+gives the medians. "Ready" is `/ready` (ours, with `--preload gemma-3-270m`: the model llama-server loads,
+not the MiniLM embedding model a bare `--preload` adds, ~0.3-0.4 s more) or `/health` (llama-server)
+answering 200; "answered" is when a `/v1/completions` request of 8 greedy tokens has come back. The default
+model's GGUF and its tokenizer are already assembled in the model cache before the first start (one-time
+install steps that llama-server has no counterpart of). llama-server starts on the GGUF of its own precision
+class (bench/peers.py).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import json
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,8 +101,8 @@ def _wait_ready(
     raise RuntimeError(f"not ready after {timeout_s:.0f} s; log tail:\n{server.log_tail()}")
 
 
-def ours(config: str, port: int, threads: int, timeout_s: float) -> tuple[Start, Start]:
-    """First start (empty cache) and second start of `edgeinfer serve` in `config`."""
+def our_starts(config: str, port: int, threads: int, timeout_s: float) -> Iterator[Start]:
+    """Starts of `edgeinfer serve` in `config`, as many as are taken: the first with an empty cache."""
     cache = CACHES / config.replace(" ", "").replace("-", "_")
     shutil.rmtree(cache, ignore_errors=True)
     argv = [sys.executable, "-m", "edgeinfer.cli", "serve", "--preload", DEFAULT_MODEL, "--host", "127.0.0.1",
@@ -110,17 +113,39 @@ def ours(config: str, port: int, threads: int, timeout_s: float) -> tuple[Start,
     url = f"http://127.0.0.1:{port}"
     log = RESULTS / "logs" / f"startup-{cache.name}.log"
     print(f"{config}: {shlex.join(argv)}", file=sys.stderr)
-    return tuple(timed_start(argv, url, "/ready", env, log, timeout_s) for _ in range(2))  # type: ignore[return-value]
+    while True:
+        yield timed_start(argv, url, "/ready", env, log, timeout_s)
 
 
-def llama(precision: str, gguf: Path, port: int, threads: int) -> tuple[Start, Start]:
+def llama_starts(precision: str, gguf: Path, port: int, threads: int) -> Iterator[Start]:
     peer = peers.peer_gguf(precision, gguf)
     argv = peers.llama_server_argv(peer, port, n_parallel=1, ctx=2048, threads=threads)
     log = peers.PEERS_DIR / "logs" / f"llama-server-startup-{precision}.log"
     print(f"llama-server {precision}: {shlex.join(argv)}", file=sys.stderr)
-    return tuple(
-        timed_start(argv, f"http://127.0.0.1:{port}", "/health", dict(os.environ), log, 120) for _ in range(2)
-    )  # type: ignore[return-value]
+    while True:
+        yield timed_start(argv, f"http://127.0.0.1:{port}", "/health", dict(os.environ), log, 120)
+
+
+def median_start(starts: list[Start]) -> list[float]:
+    return [statistics.median(s.ready_s for s in starts), statistics.median(s.answered_s for s in starts)]
+
+
+def measure(config: str, gguf: Path, args: argparse.Namespace) -> Row:
+    """Each server's first start (llama-server's file already in the page cache), then `repeats` cached
+    starts of each, taking turns so that a busy spell of the shared machine falls on both; medians."""
+    load_before = os.getloadavg()[0]
+    theirs = llama_starts(PEER_PRECISION[config.split()[0]], gguf, args.port, args.threads)
+    mine = our_starts(config, args.port + 1, args.threads, args.timeout)
+    firsts = [next(theirs), next(mine)]
+    pairs = [(next(theirs), next(mine)) for _ in range(args.repeats)]
+    return {
+        "config": config,
+        "ours": [[firsts[1].ready_s, firsts[1].answered_s], median_start([p[1] for p in pairs])],
+        "peer": [[firsts[0].ready_s, firsts[0].answered_s], median_start([p[0] for p in pairs])],
+        "repeats": args.repeats,
+        "load": [load_before, os.getloadavg()[0]],
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def cpu_flags() -> str:
@@ -133,13 +158,13 @@ def cpu_flags() -> str:
     return " ".join(w for w in wanted if w in flags) or "none of the AVX2/AVX-512/AMX flags"
 
 
-Row = dict  # {"config", "first", "second", "peer": [[ready, answered] x 2], "load": [before, after], "date"}
+Row = dict  # {"config", "ours"/"peer": [first, cached median], each [ready, answered], "load", "date"}
 
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| configuration | first start: ready / answered (s) | second start: ready / answered (s) "
-        "| llama-server, same class: ready / answered (s) | second start ready ÷ llama-server's "
+        "| configuration | first start: ready / answered (s) | cached start: ready / answered (s) "
+        "| llama-server, same class, cached: ready / answered (s) | cached start ready ÷ llama-server's "
         "| load avg before → after | measured |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -156,8 +181,9 @@ def table(rows: list[Row]) -> str:
 def describe(args: argparse.Namespace, rows: list[Row]) -> str:
     machine = (
         f"Machine: {serve_report.machine_info()}; CPU flags: {cpu_flags()}; {args.threads} threads. "
-        "The machine is shared with other work (1-min load averages per row), so absolute times are noisy; "
-        "each row's llama-server starts ran just before its own, one server at a time."
+        "The machine is shared with other work (1-min load averages per row), so absolute times are noisy: "
+        "the cached starts of the two servers take turns, one server at a time, and each cell is the median "
+        f"of {args.repeats}."
     )
     setup = (
         "Command: `python bench/startup.py [--configs ...]` (rows kept in bench/results/startup-CPU.json, "
@@ -178,6 +204,7 @@ def parse_args() -> argparse.Namespace:
         "--configs", nargs="+", default=["bf16", "int8", "int4", "int4 --compile"], choices=list(CONFIGS)
     )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--repeats", type=int, default=5, help="cached starts of each server, taking turns")
     p.add_argument("--port", type=int, default=18431)
     p.add_argument("--timeout", type=float, default=1800.0, help="per start, seconds")
     p.add_argument("--no-docs", action="store_true")
@@ -193,17 +220,7 @@ def main() -> int:
         replace_section(DOCS, SECTION, describe(args, [stored[c] for c in CONFIGS if c in stored]))
         return 0
     for config in args.configs:
-        precision = config.split()[0]
-        load_before = os.getloadavg()[0]
-        peer = llama(PEER_PRECISION[precision], gguf, args.port, args.threads)
-        result = ours(config, args.port + 1, args.threads, args.timeout)
-        stored[config] = {
-            "config": config,
-            "ours": [[s.ready_s, s.answered_s] for s in result],
-            "peer": [[s.ready_s, s.answered_s] for s in peer],
-            "load": [load_before, os.getloadavg()[0]],
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        }
+        stored[config] = measure(config, gguf, args)
         STORE.parent.mkdir(parents=True, exist_ok=True)
         STORE.write_text(json.dumps(stored, indent=1))
         body = describe(args, [stored[c] for c in CONFIGS if c in stored])
