@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from edgeinfer.fleet import up
 from edgeinfer.fleet.up import budgets, plan
 
 
@@ -89,3 +90,19 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_stop_kills_a_process_that_ignores_sigterm_after_one_shared_deadline(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(up, "STOP_TIMEOUT_S", 1.0)
+    fleet = up.Fleet(tmp_path)
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True)"
+    stubborn += "; time.sleep(60)"
+    for name in ("a", "b"):
+        fleet.spawn(name, [sys.executable, "-c", stubborn])
+    while any("up" not in (tmp_path / f"{n}.log").read_text() for n in ("a", "b")):
+        time.sleep(0.05)  # both have set their handlers
+    started = time.monotonic()
+    fleet.stop()
+    assert time.monotonic() - started < 5  # one deadline for both, not one each
+    assert all(proc.returncode == -signal.SIGKILL for _, proc in fleet.procs)
+    assert "did not stop 1 s after SIGTERM; killed" in capsys.readouterr().err

@@ -70,6 +70,10 @@ def budgets(value: str | None, count: int) -> list[str | None]:
     return parts
 
 
+# Seconds the fleet's processes have, together, to exit after SIGTERM (a node finishes its streams).
+STOP_TIMEOUT_S = 30.0
+
+
 class Fleet:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -93,14 +97,18 @@ class Fleet:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        """Routers first (they were started last), so no request is sent to a node that is going."""
+        """Routers first (they were started last), so no request is sent to a node that is going. One
+        deadline for all of them, not one each: a process that has not exited by then is killed, and
+        named, so that Ctrl-C never waits on a stuck process once per process."""
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
-        for _, proc in reversed(self.procs):
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for name, proc in reversed(self.procs):
             try:
-                proc.wait(30)
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                print(f"{name} did not stop {STOP_TIMEOUT_S:.0f} s after SIGTERM; killed", file=sys.stderr)
                 proc.kill()
                 proc.wait(10)
 
