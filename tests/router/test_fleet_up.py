@@ -44,9 +44,15 @@ def test_fleet_up_routes_and_stops_on_ctrl_c(tiny_dirs: dict[str, str], tmp_path
     ]
     cmd += ["--model", f"tiny={tiny_dirs['tiny']}", "--memory-budget", "64MiB,32MiB"]
     cmd += ["--node-arg=--dtype=float32", "--node-arg=--kv-cache-memory=256KiB"]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ}, text=True
-    )
+    # As from a terminal: a test run started in the background by a non-interactive shell has SIGINT
+    # ignored, which its children would inherit (Python leaves an inherited SIG_IGN alone).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ}, text=True
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         routers = {}
         while len(routers) < 2:

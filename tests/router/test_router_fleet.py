@@ -375,6 +375,7 @@ def test_the_signed_cache_salt_is_the_nodes_namespace(loopback_fleet: LoopbackFl
         response = httpx.post(ams + "/v1/completions", json=body, headers=headers)
         if response.status_code == 401:
             return None
+        assert response.status_code == 200, response.text
         return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     first_salt, other_salt = "a" * 64, "b" * 64
