@@ -107,9 +107,7 @@ def read_direct(directory: Path, specials: dict[str, str]) -> DirectTokenizer | 
     backend = RustTokenizer.from_file(str(json_path))
     if backend.padding is not None or backend.truncation is not None:
         return None
-    tok = DirectTokenizer(backend, specials, json_path)
-    tok.chat_template = read_chat_template(directory)
-    return tok
+    return DirectTokenizer(backend, specials, json_path)
 
 
 def serialized_tokenizer(hf: Any) -> str:

@@ -188,7 +188,7 @@ def _read_value(cursor: _Cursor, value_type: GGUFValueType, keep_strings: bool) 
         return SkippedStrings(count)
     if item_type == GGUFValueType.ARRAY:
         return [_read_value(cursor, GGUFValueType.ARRAY, keep_strings) for _ in range(count)]
-    return cursor.numbers(_SCALAR_FORMATS[item_type].replace("?", "b1"), count)
+    return cursor.numbers(_SCALAR_FORMATS[item_type], count)
 
 
 def _value_type(cursor: _Cursor, raw: int) -> GGUFValueType:
