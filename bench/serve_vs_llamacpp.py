@@ -138,13 +138,13 @@ def compare(args: argparse.Namespace, gguf: Path) -> None:
     tag = f"serve_vs_llamacpp-{kind}"
     doc = {label: {c: s.to_dict() for c, s in levels.items()} for label, levels in results.items()}
     write_json(RESULTS / f"{tag}.json", doc)
-    plot = REPO / "docs" / "img" / f"serve-bench-{kind}.png"
-    title = f"Gemma 3 270M, {args.precision} class, {_threads(args.threads)}"
-    serve_report.plot_comparison(results, plot, title)
     broken = [label for label, levels in results.items() if not any(s.completed for s in levels.values())]
     if broken:  # a server that answered nothing is a setup problem, not a result worth publishing
         print(f"no request succeeded on {', '.join(broken)}: docs left unchanged", file=sys.stderr)
-    elif args.write_docs:
+    elif args.write_docs:  # the table and its plot
+        plot = REPO / "docs" / "img" / f"serve-bench-{kind}.png"
+        title = f"Gemma 3 270M, {args.precision} class, {_threads(args.threads)}"
+        serve_report.plot_comparison(results, plot, title)
         load = (load_before, os.getloadavg()[0])
         doc = _comparison_doc(args, results, plot, gguf, load)
         replace_section(DOCS, f"serve-bench-{kind}", doc)

@@ -15,7 +15,8 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
 from edgeinfer.engine.loading import parse_quantization, uses_cpu_gemv
 from edgeinfer.engine.quant import QuantLinear, kernels
-from edgeinfer.engine.quant.kernels.bf16 import GEMV_ROWS, GemvLinear
+from edgeinfer.engine.quant.kernels import bf16
+from edgeinfer.engine.quant.kernels.bf16 import EVERY_ROW, GemvLinear, _gemv_rows
 from edgeinfer.types import SamplingParams
 
 
@@ -41,14 +42,14 @@ def _bf16(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-# K: whole vectors, and tails that the masked / scalar remainders take; N: whole and partial 8-row tiles
+# K: whole vectors, and tails that the masked / scalar remainders take; N: whole and partial tiles
 @pytest.mark.parametrize("n,k", [(256, 640), (37, 100), (5, 7), (130, 2048)])
 def test_bf16_gemv_matches_a_float64_product_at_every_level_the_cpu_has(ops, capped, n, k):
     w = _bf16(n, k, seed=n)
     for level in _levels_here(ops):
         capped(level)
         assert ops.bf16_variant() == (level if level != "avx512_vnni" else "avx512")
-        for m in (1, 3, 6):  # one tile of rows, a partial one, and more than one
+        for m in (1, 3, 6, 37):  # one tile of rows, a partial one, more than one, several chunks
             x = _bf16(m, k, seed=m)
             ref = x.double() @ w.double().T
             out = torch.empty(m, n)
@@ -59,15 +60,20 @@ def test_bf16_gemv_matches_a_float64_product_at_every_level_the_cpu_has(ops, cap
             assert torch.equal(ops.bf16_gemv(x, w), out.bfloat16())  # bf16 out: the fp32 sums, rounded
 
 
-def test_bf16_gemv_rows_do_not_depend_on_the_batch_or_threads(ops):
-    w, x = _bf16(1000, 640, seed=0), _bf16(5, 640, seed=1)
+@pytest.mark.parametrize("k", [640, 100])
+def test_bf16_gemv_rows_do_not_depend_on_the_batch_or_threads(ops, k):
+    """Each row alone, in batches of every tile shape (4 x 4 tiles, 1-3 rows left over) and past an L1
+    chunk of rows, on 1 or 2 threads: the same bits."""
+    w, x = _bf16(1000, k, seed=0), _bf16(45, k, seed=1)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         together = ops.bf16_gemv(x, w)
         torch.set_num_threads(2)
         assert torch.equal(ops.bf16_gemv(x, w), together)
-        assert all(torch.equal(ops.bf16_gemv(x[i : i + 1], w), together[i : i + 1]) for i in range(5))
+        assert all(torch.equal(ops.bf16_gemv(x[i : i + 1], w), together[i : i + 1]) for i in range(45))
+        for start, stop in ((0, 2), (3, 6), (5, 12), (1, 30)):
+            assert torch.equal(ops.bf16_gemv(x[start:stop], w), together[start:stop])
     finally:
         torch.set_num_threads(threads)
 
@@ -153,11 +159,19 @@ def test_fp32_models_never_start_the_build(tiny_models, monkeypatch):
     assert not uses_cpu_gemv(_engine(tiny_models["llama"], None, "float32").model)
 
 
-def test_gemv_linear_keeps_torch_for_wide_inputs(ops):
+def test_gemv_linear_keeps_torch_for_wide_inputs(ops, monkeypatch):
+    monkeypatch.setattr(bf16, "GEMV_ROWS", 4)  # where the CPU has a limit (AMX: 2, AVX-512: 16, AVX2: 4)
     lin = torch.nn.Linear(64, 48, bias=True, dtype=torch.bfloat16)
     fast = GemvLinear.from_linear(lin)
-    x = _bf16(GEMV_ROWS + 1, 64, seed=3)
+    x = _bf16(5, 64, seed=3)
     assert not fast.uses_kernel(x) and torch.equal(fast(x), lin(x))
     one = x[:1]
     assert fast.uses_kernel(one)
     assert torch.allclose(fast(one).float(), lin(one).float(), atol=0.03, rtol=0.01)  # the bias is added
+
+
+def test_bf16_products_of_every_size_take_the_kernel_only_where_it_has_tiles():
+    base = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})
+    assert _gemv_rows(base | {"avx512_bf16"}) == EVERY_ROW
+    assert _gemv_rows(base | {"avx512_bf16", "amx_bf16"}) == 2  # oneDNN's AMX GEMM from 4 rows
+    assert _gemv_rows(base) == 16 and _gemv_rows(frozenset({"avx2", "fma"})) == 4

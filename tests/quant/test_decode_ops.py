@@ -11,7 +11,8 @@ from edgeinfer.engine.attention.storage import KVCacheStorage, KVSpec
 from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
-from edgeinfer.engine.model.layers.kernel_ops import MAX_ELEMENTS, takes_kernel
+from edgeinfer.engine.model.layers import kernel_ops
+from edgeinfer.engine.model.layers.kernel_ops import EVERY_INPUT, _max_elements, takes_kernel
 from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
@@ -29,7 +30,7 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("unit_offset", [True, False], ids=["gemma", "llama"])
-@pytest.mark.parametrize("shape", [(1, 640), (3, 4, 256), (70, 100)])
+@pytest.mark.parametrize("shape", [(1, 640), (3, 4, 256), (70, 100), (300, 640)])  # decode, prefill
 def test_rms_norm_rounds_as_the_torch_norm(level, unit_offset, shape):
     norm = RMSNorm(shape[-1], 1e-6, unit_offset).to(torch.bfloat16)
     with torch.no_grad():
@@ -173,10 +174,16 @@ def test_gated_act_equals_the_torch_ops(ops, act):
     assert torch.equal(fast, eager)  # ATen's own activation kernels, called from C++
 
 
-def test_inputs_past_the_size_limit_keep_the_torch_ops(ops):
+def test_inputs_past_the_size_limit_keep_the_torch_ops(ops, monkeypatch):
+    monkeypatch.setattr(kernel_ops, "MAX_ELEMENTS", 16_384)  # the limit without AVX-512
     norm = RMSNorm(640, 1e-6, True).to(torch.bfloat16)
-    x = _bf16(MAX_ELEMENTS // 640 + 1, 640, seed=9)  # a prefill chunk: torch's parallel kernels win there
+    x = _bf16(16_384 // 640 + 1, 640, seed=9)  # a prefill chunk: torch's parallel kernels win there
     eager = norm(x)
     norm.kernel = True
     assert not takes_kernel(norm, x) and takes_kernel(norm, x[:1])
     assert torch.equal(norm(x), eager)
+
+
+def test_every_input_takes_the_kernels_where_they_have_avx512():
+    assert _max_elements(frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})) == EVERY_INPUT
+    assert _max_elements(frozenset({"avx2", "fma"})) == 16_384

@@ -41,6 +41,7 @@ _SOURCE_NAMES = (
     "isa.cpp",
     "cpu_gemv.cpp",
     "bf16_gemv.cpp",
+    "bf16_tiles.cpp",
     "decode_ops.cpp",
     "dense_step.cpp",
     "encoder_attention.cpp",

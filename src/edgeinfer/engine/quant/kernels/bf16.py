@@ -1,18 +1,18 @@
-"""Float models' linear layers through `bf16_gemv` (bf16_gemv.cpp) when a product has few rows.
+"""Float models' linear layers through `bf16_gemv` (bf16_gemv.cpp, bf16_tiles.cpp) where it outruns torch.
 
-A decode step of a few sequences multiplies every weight by a few activation rows; there torch's bf16
-GEMM reaches a fraction of the memory bandwidth and our kernel streams the weight as stored, each weight
-row against four activation rows at a time. Wider products (prefill, larger batches) keep torch's GEMM,
-which blocks for the cache. Where it crosses over depends on the CPU:
+On AVX-512 CPUs with AVX512-BF16 and no AMX, every product takes the kernel: register tiles of
+`vdpbf16ps` with the next weight tile prefetched into L2 (bf16_tiles.cpp), one summation order per output
+whatever the row count, so a sequence's logits do not depend on the batch it decodes in. AMD EPYC (Zen 4),
+2 threads, 2026-12-04, kernel / torch's GEMM: the 262k x 640 Gemma lm_head at 1 / 8 / 16 / 32 / 128 rows
+8.8-10.0 / 10.5 / 16.8 / 31.0 / 115 ms against 19.7 / 24.5 / 31.3 / 43-49 / 134-144 ms; Gemma's layer
+shapes at 128-1024 rows (prefill) 0.9-1.06x torch's speed (both ~370-420 GFLOP/s, weights in cache).
 
-- AMD EPYC (Zen 4, AVX512-BF16, no AMX), 2 threads, 2026-12-04, kernel over torch at 1 / 4 / 8 / 16 / 32
-  rows: the 262k x 640 Gemma lm_head 3.2 / 2.3 / 1.7 / 1.4 / 1.1x; 4096 x 640 2.2 / 1.9 / 1.4 / 1.1 /
-  0.9x; 1536 x 640 2.0 / 2.0 / 1.6 / 1.2 / 0.9x. So up to 16 rows take the kernel where it runs on
-  AVX-512.
+Elsewhere the decode-step loops of bf16_gemv.cpp take the few-row products and torch's GEMM the wider ones:
 - Intel Xeon with AMX, 1 thread (an older form of the kernel, two activation rows a pass) at 1 / 2 / 4 /
   8 rows: 4096 x 640 0.10 / 0.20 / 0.37 / 0.83 ms, torch 0.27 / 0.26 / 0.38 / 0.58; the lm_head 31.7 /
   44.5 / 52.4 / 62.5, torch 39.9 / 45.4 / 48.2 / 50.4: oneDNN's AMX GEMM wins from 4 rows, so 2 there.
-- AVX2 only (two activation rows a pass, half the registers): 4, as measured on that CPU before.
+- AVX-512 without BF16 (weights widened to fp32): 16; AVX2 only (two activation rows a pass, half the
+  registers): 4, as measured on those CPUs before.
 """
 
 from __future__ import annotations
@@ -23,12 +23,17 @@ from torch.nn import functional as F
 
 from edgeinfer.engine.quant.kernels import cpu_flags
 
+EVERY_ROW = 2**62  # no limit
+
 
 def _gemv_rows(flags: frozenset[str]) -> int:
     """Products of up to this many rows take the kernel (module docstring)."""
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
     if "amx_bf16" in flags:
         return 2
-    return 16 if {"avx512f", "avx512bw", "avx512vl"} <= flags else 4
+    if avx512 and "avx512_bf16" in flags:
+        return EVERY_ROW
+    return 16 if avx512 else 4
 
 
 GEMV_ROWS = _gemv_rows(cpu_flags())

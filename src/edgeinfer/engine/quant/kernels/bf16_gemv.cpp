@@ -1,24 +1,21 @@
-// bf16 matrix-vector products for decode steps of float (bf16) models: y[M, N] = x[M, K] @ W[N, K]^T.
+// bf16 products y[M, N] = x[M, K] @ W[N, K]^T of float (bf16) models' linear layers, W row-major as stored
+// (nn.Linear's weight, the tied embedding: no second copy), fp32 sums, into fp32 or bf16.
 //
-// A one-sequence decode step reads every weight once, so its speed is how fast the weights stream from
-// memory. torch's bf16 GEMV on CPU reaches a fraction of that on wide matrices (the 262k x 640 Gemma
-// lm_head); these read W row-major as stored (nn.Linear's weight, the tied embedding: no second copy),
-// one weight row at a time against up to four activation rows (two with AVX2), with fp32 sums:
+// On AVX512-BF16 every product goes to bf16_tiles.cpp (register tiles of `vdpbf16ps`, one summation order
+// for every row count). Below that, these decode-step loops, one weight row at a time against up to four
+// activation rows (two with AVX2):
 //
-//   avx512_bf16: `vdpbf16ps`, 32 bf16 products per instruction, on the bf16 operands as they are;
 //   avx512 / avx2: weights widened to fp32 by a 16-bit shift (bf16 is the top half of an fp32), FMA
 //                  against the activations converted to fp32 once;
 //   scalar:      the same sums in plain loops (any CPU).
 //
 // Each thread reads its rows one after another, each row start to end (a few independent sums per
 // activation row, so the dot product is not one dependency chain): its whole share of W is one sequential
-// stream, the pattern the hardware prefetcher follows best. Reading eight rows side by side (eight streams
-// of 1,280 B for Gemma's 640 inputs, each barely learnt before it ends), with or without software
-// prefetches of the next eight, was slower. Gemma 3 270M's products, 2 threads, AMD EPYC (Zen 4,
-// AVX512-BF16), interleaved rounds of a whole step's products, medians of 25 (a standalone copy of the
-// loops; plain read of the same bytes 25-27 GB/s at the time): the 18 layers' 72 products 10.7-11.7 ms ->
-// 8.8-9.7 ms, the 262k x 640 lm_head 18.4-19.7 ms -> 12.3-12.8 ms (18 -> 27 GB/s). Software prefetches on
-// top of the sequential order only slowed it.
+// stream, the pattern the hardware prefetcher follows best. Reading eight rows side by side, with or
+// without software prefetches of the next eight into L1, was slower (Gemma 3 270M's products, 2 threads,
+// AMD EPYC Zen 4, in this file's former AVX512-BF16 form: the 262k x 640 lm_head 18.4-19.7 ms -> 12.3-12.8
+// ms, 18 -> 27 GB/s, when read in order). bf16_tiles.cpp reads rows side by side again, with the next tile
+// prefetched into L2 instead, which outruns both.
 //
 // The variant is picked per call from what the CPU reports (isa.h). Rows are split across the engine's
 // threads in chunks of at least kGrainBytes of weight, so small layers are not spread over more threads
@@ -87,32 +84,6 @@ EDGEINFER_TARGET_AVX512_BASE inline float total(const __m512 (&acc)[U]) {
   __m512 s = acc[0];
   for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[u]);
   return _mm512_reduce_add_ps(s);
-}
-
-template <int MB, int R>
-EDGEINFER_TARGET_BF16 void tile_avx512_bf16(const Operands& op, const uint16_t* w, int64_t m0, float* y,
-                                             int64_t ldy) {
-  const int64_t k = op.k, body = k - k % (32 * kU);
-  const uint16_t* x = op.x + m0 * k;
-  for (int r = 0; r < R; ++r) {
-    const uint16_t* wr = w + r * k;
-    __m512 acc[MB][kU];
-    zero(acc);
-    int64_t i = 0;
-    for (; i < body; i += 32 * kU)
-      for (int u = 0; u < kU; ++u) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + i + 32 * u);
-        for (int m = 0; m < MB; ++m)
-          acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, (__m512bh)_mm512_loadu_si512(x + m * k + i + 32 * u));
-      }
-    for (; i < k; i += 32) {  // the chunks past the unrolled body, the last one masked (masked lanes add 0)
-      const __mmask32 mask = k - i >= 32 ? ~__mmask32{0} : (__mmask32{1} << (k - i)) - 1;
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + i);
-      for (int m = 0; m < MB; ++m)
-        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * k + i));
-    }
-    for (int m = 0; m < MB; ++m) y[m * ldy + r] = total(acc[m]);
-  }
 }
 
 template <int MB, int R>
@@ -196,7 +167,8 @@ EDGEINFER_TARGET_AVX2 void tile_avx2(const Operands& op, const uint16_t* w, int6
 
 using Tiles = std::array<std::array<TileFn, kRows>, kM>;
 
-// The variant this call runs, the activation rows one tile takes, and whether it reads them in fp32.
+// The variant this call runs (no tiles here: AVX512-BF16, whose kernel is bf16_tiles.cpp), the activation
+// rows one tile takes, and whether it reads them in fp32.
 struct Variant {
   const Tiles* tiles;
   int64_t rows_per_tile;
@@ -207,10 +179,9 @@ struct Variant {
 Variant pick_variant() {
   static const Tiles scalar = EDGEINFER_TABLE(tile_scalar);
 #if EDGEINFER_X86
-  static const Tiles bf16 = EDGEINFER_TABLE(tile_avx512_bf16);
   static const Tiles avx512 = EDGEINFER_TABLE(tile_avx512);
   static const Tiles avx2 = EDGEINFER_TABLE_2(tile_avx2);  // 16 ymm registers: 2 rows x kU sums
-  if (edgeinfer_cpu::isa_allows(Isa::kAvx512Bf16)) return {&bf16, kM, false, "avx512_bf16"};
+  if (edgeinfer_cpu::isa_allows(Isa::kAvx512Bf16)) return {nullptr, 0, false, "avx512_bf16"};  // bf16_tiles.cpp
   if (edgeinfer_cpu::isa_allows(Isa::kAvx512)) return {&avx512, kM, true, "avx512"};
   if (edgeinfer_cpu::isa_allows(Isa::kAvx2)) return {&avx2, 2, true, "avx2"};
 #endif
@@ -249,6 +220,9 @@ void bf16_gemv_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   if (m_rows == 0 || n == 0) return;
   const at::Tensor xc = x.contiguous();
   const Variant v = pick_variant();
+#if EDGEINFER_X86
+  if (v.tiles == nullptr) return bf16_tiles_out(xc, w, out);
+#endif
   const at::Tensor xf = v.wants_fp32 ? xc.to(at::kFloat) : at::Tensor();
   const Operands op{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
                     reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),

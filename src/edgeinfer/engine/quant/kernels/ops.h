@@ -20,6 +20,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
 void bf16_gemv_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w);
 
+// bf16_tiles.cpp (x86; AVX512-BF16 only)
+void bf16_tiles_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
+
 // cpu_gemv.cpp
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const at::Tensor& zero_terms, int64_t group);

@@ -1,0 +1,200 @@
+// bf16 products y[M, N] = x[M, K] @ W[N, K]^T on AVX512-BF16, for any number of rows: decode steps of
+// one sequence or of many, and prefill.
+//
+// `vdpbf16ps` multiplies 32 bf16 pairs into 16 fp32 lanes. Every output is one chain of these over K (a
+// masked last chunk where K is not a multiple of 32), then its 16 lanes summed by halving (8, 4, 2, 1
+// apart). That order is the same whatever tile computes the output, so a row's result does not depend on
+// the batch it came in or on the threads (batched = unbatched, bit for bit).
+//
+// A tile holds 16 accumulators: MB activation rows x NB weight rows (4 x 4; where fewer than 4 rows are
+// left, 3 x 5, 2 x 8, 1 x 16), side by side, so that per 32 inputs MB + NB loads feed MB x NB products
+// (4 x 4: 8 loads, 16 products); one transpose-add tree sums all 16 (~3 instructions an output, against
+// K / 32 products). Work is split over threads by blocks of kBlock weight rows (a multiple of every NB);
+// a task walks each block once per chunk of activation rows that stays in L1 (kL1Bytes), each weight tile
+// reused by the chunk's tiles.
+//
+// Prefetch: the first pass over a block (activation rows from 0) fetches the next weight tile into L2
+// (`prefetcht1`, a line per row per 32 inputs) while it multiplies this one. That is what takes the
+// weight stream to the memory bandwidth: Gemma's 262k x 640 lm_head, 2 threads, AMD EPYC (Zen 4), at
+// 1 / 4 / 8 / 16 / 32 rows, prefetch into L2 against into L1 (`prefetcht0`, which at 32 rows was no faster
+// than none): 8.8-10.0 / 10.3-10.6 / 10.5-10.9 / 16.8 / 31.0 ms against 11.8 / 16.5 / 20.6 / 27.1 / 40.1.
+// Two tiles ahead was the same as one, three slower. The weight rows read side by side with this
+// prefetch also beat reading each row start to end (one sequential stream, one sum per output: too
+// little parallelism) at every row count, and the earlier row-at-a-time kernel (four sums per output,
+// which this file's single order rules out) from 1 row: 1 / 4 / 8 rows 10.8-14.0 / 12.1-12.6 / 15.0-16.6
+// ms there.
+
+#include "isa.h"
+#include "ops.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if EDGEINFER_X86
+namespace {
+
+constexpr int kAcc = 16;
+constexpr int64_t kBlock = 80;
+constexpr int64_t kGrainBytes = 64 * 1024;
+constexpr int64_t kL1Bytes = 16 * 1024;  // activation rows a chunk of tiles keeps in L1
+
+// Two accumulators' lanes j + (j + 8): a's in the low 256 bits, b's in the high.
+EDGEINFER_TARGET_BF16 inline __m512 halves(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+
+// Each quarter: one accumulator's four partial sums (j + 4 folded in), from two `halves`.
+EDGEINFER_TARGET_BF16 inline __m512 quarters(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+// j + 2 folded in, from two `quarters`.
+EDGEINFER_TARGET_BF16 inline __m512 pairs(__m512 x, __m512 y) {
+  const __m512d lo = _mm512_castps_pd(x), hi = _mm512_castps_pd(y);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+}
+
+// The lane sums of 16 accumulators, halving 8, 4, 2, 1 apart: lane i of the result = the sum of a[i]'s.
+// (Written out: GCC keeps an array of vectors indexed in a loop in memory, stored on every K step.)
+EDGEINFER_TARGET_BF16 inline __m512 fold16(const __m512 (&a)[kAcc]) {
+  // The tree leaves its 4i + q-th input's sum in lane 4q + i, so it takes them in transposed order.
+  const __m512 b0 = halves(a[0], a[4]), b1 = halves(a[8], a[12]), b2 = halves(a[1], a[5]),
+               b3 = halves(a[9], a[13]), b4 = halves(a[2], a[6]), b5 = halves(a[10], a[14]),
+               b6 = halves(a[3], a[7]), b7 = halves(a[11], a[15]);
+  const __m512 c0 = quarters(b0, b1), c1 = quarters(b2, b3), c2 = quarters(b4, b5), c3 = quarters(b6, b7);
+  const __m512 d0 = pairs(c0, c1), d1 = pairs(c2, c3);
+  return _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
+}
+
+// fp32 lanes -> bf16 as at::BFloat16 rounds them (to nearest even; NaN -> 0x7FC0).
+EDGEINFER_TARGET_BF16 inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+struct Product {
+  const uint16_t* x;
+  const uint16_t* w;
+  int64_t m, n, k;
+  float* out_f32;  // one of the two outputs, [m, n]
+  at::BFloat16* out_bf16;
+};
+
+// Outputs of activation rows [m0, m0 + MB) x weight rows [n0, n0 + NB): one chain each (acc[m * NB + n])
+// over K in chunks of 32, the last one masked. kPrefetch: the next NB weight rows fetched into L2
+// meanwhile. Rows past the end are computed on the last row again and not stored.
+template <int MB, int NB, bool kPrefetch>
+EDGEINFER_TARGET_BF16 void tile(const Product& p, int64_t m0, int64_t n0) {
+  static_assert(MB * NB <= kAcc);
+  const int64_t k = p.k, mb = std::min<int64_t>(MB, p.m - m0), nb = std::min<int64_t>(NB, p.n - n0);
+  const uint16_t* xs[MB];
+  const uint16_t* ws[NB];
+  for (int m = 0; m < MB; ++m) xs[m] = p.x + (m0 + std::min<int64_t>(m, mb - 1)) * k;
+  for (int n = 0; n < NB; ++n) ws[n] = p.w + (n0 + std::min<int64_t>(n, nb - 1)) * k;
+  const uint16_t* next = p.w + std::min(n0 + NB, p.n - 1) * k;
+  const int64_t body = k & ~int64_t{31};
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (k - body)) - 1);
+  __m512 acc[kAcc];
+#pragma GCC unroll 16
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t i = 0; i < body; i += 32) {
+    if constexpr (kPrefetch)
+#pragma GCC unroll 16
+      for (int n = 0; n < NB; ++n) _mm_prefetch(reinterpret_cast<const char*>(next + n * k + i), _MM_HINT_T1);
+    __m512bh xv[MB];
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(xs[m] + i);
+#pragma GCC unroll 16
+    for (int n = 0; n < NB; ++n) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(ws[n] + i);
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) acc[m * NB + n] = _mm512_dpbf16_ps(acc[m * NB + n], wv, xv[m]);
+    }
+  }
+  if (tail) {
+    __m512bh xv[MB];
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(tail, xs[m] + body);
+#pragma GCC unroll 16
+    for (int n = 0; n < NB; ++n) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, ws[n] + body);
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) acc[m * NB + n] = _mm512_dpbf16_ps(acc[m * NB + n], wv, xv[m]);
+    }
+  }
+  const __m512 sums = fold16(acc);
+  // row m's outputs are lanes [m NB, m NB + nb): a masked store at out - m NB puts them at out[0, nb)
+  for (int64_t m = 0; m < mb; ++m) {
+    const int64_t at = (m0 + m) * p.n + n0 - m * NB;
+    const __mmask16 lanes = static_cast<__mmask16>(((1u << nb) - 1) << (m * NB));
+    if (p.out_f32)
+      _mm512_mask_storeu_ps(p.out_f32 + at, lanes, sums);
+    else
+      _mm256_mask_storeu_epi16(p.out_bf16 + at, lanes, to_bf16(sums));
+  }
+}
+
+// Weight rows [n0, n1) x activation rows [m0, m0 + MB) in MB x NB tiles; `prefetch`: each tile fetches the next.
+template <int MB, int NB>
+EDGEINFER_TARGET_BF16 void row_of_tiles(const Product& p, int64_t n0, int64_t n1, int64_t m0, bool prefetch) {
+  for (int64_t n = n0; n < n1; n += NB) {
+    if (prefetch)
+      tile<MB, NB, true>(p, m0, n);
+    else
+      tile<MB, NB, false>(p, m0, n);
+  }
+}
+
+// Weight rows [n0, n1) x every activation row: 4 x 4 tiles over chunks of rows that stay in L1 while the
+// block's weight tiles pass by, then the last 1-3 rows.
+EDGEINFER_TARGET_BF16 void block(const Product& p, int64_t n0, int64_t n1) {
+  const int64_t full = p.m / 4 * 4;
+  const int64_t chunk = std::max<int64_t>(4, kL1Bytes / (p.k * 2) / 4 * 4);
+  for (int64_t mc = 0; mc < full; mc += chunk) {
+    const int64_t end = std::min(full, mc + chunk);
+    for (int64_t n = n0; n < n1; n += 4) {
+      for (int64_t m = mc; m < end; m += 4) {
+        if (m == 0)
+          tile<4, 4, true>(p, m, n);
+        else
+          tile<4, 4, false>(p, m, n);
+      }
+    }
+  }
+  switch (p.m - full) {
+    case 3: return row_of_tiles<3, 5>(p, n0, n1, full, full == 0);
+    case 2: return row_of_tiles<2, 8>(p, n0, n1, full, full == 0);
+    case 1: return row_of_tiles<1, 16>(p, n0, n1, full, full == 0);
+    default: return;
+  }
+}
+
+}  // namespace
+
+namespace edgeinfer_cpu {
+
+void bf16_tiles_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+  const Product p{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                  x.size(0),
+                  w.size(0),
+                  w.size(1),
+                  out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr,
+                  out.scalar_type() == at::kFloat ? nullptr : out.data_ptr<at::BFloat16>()};
+  const int64_t blocks = (p.n + kBlock - 1) / kBlock;
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kBlock * p.k * 2));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) block(p, b * kBlock, std::min(p.n, (b + 1) * kBlock));
+  });
+}
+
+}  // namespace edgeinfer_cpu
+#endif
