@@ -133,6 +133,49 @@ EDGEINFER_TARGET_AVX512 void rotate_halves_avx512(const uint16_t* row, const uin
   }
 }
 
+// e^x for x <= 0 (softmax scores minus their maximum, activations' e^-|x|): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
+// polynomial to r^6 (error below 2^-23 relative), scaled by 2^n (0 below e^-103).
+EDGEINFER_TARGET_AVX512_BASE inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// act(gate) * up for one row of n values (n a multiple of 16), rounded as the torch ops round: the
+// activation to bf16, then the product. gelu (tanh): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)));
+// silu: g / (1 + e^-g). Both through e^-|y| (so never an overflow): within a few fp32 ulps of ATen's
+// Sleef functions, which the bf16 rounding hides but for rare ties.
+template <int kAct>
+EDGEINFER_TARGET_AVX512 void gated_row_avx512(const uint16_t* gate, const uint16_t* up, int64_t n, c10::BFloat16* y) {
+  using edgeinfer_cpu::bf16x16_to_fp32;
+  const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 g = bf16x16_to_fp32(gate + i);
+    __m512 a;
+    if constexpr (kAct == 1) {
+      const __m512 inner = _mm512_mul_ps(
+          _mm512_set1_ps(0.7978845608028654f),
+          _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(_mm512_mul_ps(g, g), g))));
+      const __m512 t = exp_nonpositive(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(inner)));
+      const __m512 th_abs = _mm512_div_ps(_mm512_sub_ps(one, t), _mm512_add_ps(one, t));  // tanh(|y|)
+      const __m512 th = _mm512_mask_sub_ps(th_abs, _mm512_cmp_ps_mask(inner, zero, _CMP_LT_OQ), zero, th_abs);
+      a = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, th));
+    } else {
+      const __m512 s = exp_nonpositive(_mm512_sub_ps(zero, _mm512_abs_ps(g)));  // e^-|g|
+      // e^-g: s where g >= 0, 1 / s where g < 0; g / (1 + e^-g)
+      const __m512 eneg = _mm512_mask_div_ps(s, _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ), one, s);
+      a = _mm512_div_ps(g, _mm512_add_ps(one, eneg));
+    }
+    const __m512 prod = _mm512_mul_ps(round_bf16x16(a), bf16x16_to_fp32(up + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), bf16_bits(prod));
+  }
+}
+
 // The same in 256-bit registers, for AVX2-only CPUs; tails in plain loops.
 EDGEINFER_TARGET_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -271,13 +314,30 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 
 // ---- Gated activation -------------------------------------------------------------------------------
 
-// act(gate) * up for gate_up [T, 2I] = [gate | up], through ATen's own vectorised activation: the same
-// kernels and roundings as the three torch ops, in one call from Python. `act`: 0 silu, 1 gelu (tanh).
+// act(gate) * up for gate_up [T, 2I] = [gate | up] in one call from Python: on AVX-512, gated_row_avx512
+// (rows in parallel); elsewhere ATen's own vectorised activation, the same kernels and roundings as the
+// three torch ops. `act`: 0 silu, 1 gelu (tanh).
 at::Tensor gated_act(const at::Tensor& gate_up, int64_t act) {
   TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
               "gated_act: gate_up must be bf16 [T, 2 * intermediate]");
   TORCH_CHECK(act == 0 || act == 1, "gated_act: act must be 0 (silu) or 1 (gelu tanh)");
   const int64_t n = gate_up.size(1) / 2;
+#if EDGEINFER_X86
+  if (n % 16 == 0 && gate_up.is_contiguous() && isa_allows(Isa::kAvx512)) {
+    auto out = at::empty({gate_up.size(0), n}, gate_up.options());
+    const auto* x = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
+    auto* y = out.data_ptr<at::BFloat16>();
+    at::parallel_for(0, gate_up.size(0), std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        if (act == 1)
+          gated_row_avx512<1>(x + r * 2 * n, x + r * 2 * n + n, n, y + r * n);
+        else
+          gated_row_avx512<0>(x + r * 2 * n, x + r * 2 * n + n, n, y + r * n);
+      }
+    });
+    return out;
+  }
+#endif
   const at::Tensor gate = gate_up.narrow(1, 0, n), up = gate_up.narrow(1, n, n);
   at::Tensor out = act == 0 ? at::silu(gate) : at::gelu(gate, "tanh");
   return out.mul_(up);
@@ -361,19 +421,6 @@ EDGEINFER_TARGET_BF16 inline __m512 sum_lanes16(const __m512 (&a)[16]) {
   const __m512 c3 = add_quarters(add_halves(a[3], a[7]), add_halves(a[11], a[15]));
   const __m512 d0 = add_pairs(c0, c1), d1 = add_pairs(c2, c3);
   return _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
-}
-
-// e^x for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
-// polynomial to r^6 (error below 2^-23 relative), scaled by 2^n (0 below e^-103).
-EDGEINFER_TARGET_BF16 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
 }
 
 // scores[j] = bf16(q . k_j) * scale for keys [0, n), 16 at a time (a partial last 16 computed on the last
