@@ -7,22 +7,23 @@
 // the batch it came in or on the threads (batched = unbatched, bit for bit).
 //
 // A tile holds 16 accumulators: MB activation rows x NB weight rows (4 x 4; where fewer than 4 rows are
-// left, 3 x 5, 2 x 8, 1 x 16), side by side, so that per 32 inputs MB + NB loads feed MB x NB products
-// (4 x 4: 8 loads, 16 products); one transpose-add tree sums all 16 (~3 instructions an output, against
-// K / 32 products). Work is split over threads by blocks of kBlock weight rows (a multiple of every NB);
-// a task walks each block once per chunk of activation rows that stays in L1 (kL1Bytes), each weight tile
-// reused by the chunk's tiles.
+// left, 3 x 5 or 2 x 8), side by side, so that per 32 inputs MB + NB loads feed MB x NB products (4 x 4:
+// 8 loads, 16 products); one transpose-add tree sums all 16 (~3 instructions an output, against K / 32
+// products). Work is split over threads by blocks of kBlock weight rows (a multiple of every NB); a task
+// walks each block once per chunk of activation rows that stays in L1 (kL1Bytes), each weight tile
+// reused by the chunk's tiles. A single activation row (one sequence's decode step, bound by the weight
+// stream) reads its 16 weight rows one after another instead, each start to end: one sequential stream.
 //
-// Prefetch: the first pass over a block (activation rows from 0) fetches the next weight tile into L2
-// (`prefetcht1`, a line per row per 32 inputs) while it multiplies this one. That is what takes the
-// weight stream to the memory bandwidth: Gemma's 262k x 640 lm_head, 2 threads, AMD EPYC (Zen 4), at
-// 1 / 4 / 8 / 16 / 32 rows, prefetch into L2 against into L1 (`prefetcht0`, which at 32 rows was no faster
-// than none): 8.8-10.0 / 10.3-10.6 / 10.5-10.9 / 16.8 / 31.0 ms against 11.8 / 16.5 / 20.6 / 27.1 / 40.1.
-// Two tiles ahead was the same as one, three slower. The weight rows read side by side with this
-// prefetch also beat reading each row start to end (one sequential stream, one sum per output: too
-// little parallelism) at every row count, and the earlier row-at-a-time kernel (four sums per output,
-// which this file's single order rules out) from 1 row: 1 / 4 / 8 rows 10.8-14.0 / 12.1-12.6 / 15.0-16.6
-// ms there.
+// Prefetch: side by side, the first pass over a block (activation rows from 0) fetches the next weight
+// tile into L2 (`prefetcht1`, a line per row per 32 inputs) while it multiplies this one. That is what
+// takes the weight stream to the memory bandwidth: Gemma's 262k x 640 lm_head, 2 threads, AMD EPYC
+// (Zen 4), at 4 / 8 / 16 / 32 rows, against prefetching into L1 (`prefetcht0`, which at 32 rows was no
+// faster than none): 10.3-10.6 / 10.5-10.9 / 16.8 / 31.0 ms against 16.5 / 20.6 / 27.1 / 40.1. Two tiles
+// ahead was the same as one, three slower. The earlier row-at-a-time kernel (four sums per output, which
+// this file's single order rules out) took 12.1-12.6 / 15.0-16.6 ms at 4 / 8 rows. At one row, a whole
+// decode step's products (Gemma 3 270M, 72 layer products and the lm_head, interleaved in one process):
+// in order 6.7-6.9 + 10.3-10.8 ms, side by side with the prefetch 7.2-7.4 + 11.3-11.8 ms, the
+// row-at-a-time kernel 6.8-7.0 + 10.4 ms (separate processes).
 
 #include "isa.h"
 #include "ops.h"
@@ -142,6 +143,34 @@ EDGEINFER_TARGET_BF16 void tile(const Product& p, int64_t m0, int64_t n0) {
   }
 }
 
+// One activation row against 16 weight rows read one after another, each start to end (one sequential
+// stream): the chains as `tile` runs them, one at a time.
+EDGEINFER_TARGET_BF16 void tile_in_order(const Product& p, int64_t m0, int64_t n0) {
+  const int64_t k = p.k, nb = std::min<int64_t>(16, p.n - n0);
+  const uint16_t* x = p.x + m0 * k;
+  const int64_t body = k & ~int64_t{31};
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (k - body)) - 1);
+  __m512 acc[kAcc];
+#pragma GCC unroll 16
+  for (int n = 0; n < 16; ++n) {
+    const uint16_t* w = p.w + (n0 + std::min<int64_t>(n, nb - 1)) * k;
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t i = 0; i < body; i += 32)
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(x + i));
+    if (tail)
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(tail, w + body),
+                           (__m512bh)_mm512_maskz_loadu_epi16(tail, x + body));
+    acc[n] = a;
+  }
+  const __m512 sums = fold16(acc);
+  const __mmask16 lanes = static_cast<__mmask16>((1u << nb) - 1);
+  const int64_t at = m0 * p.n + n0;
+  if (p.out_f32)
+    _mm512_mask_storeu_ps(p.out_f32 + at, lanes, sums);
+  else
+    _mm256_mask_storeu_epi16(p.out_bf16 + at, lanes, to_bf16(sums));
+}
+
 // Weight rows [n0, n1) x activation rows [m0, m0 + MB) in MB x NB tiles; `prefetch`: each tile fetches the next.
 template <int MB, int NB>
 EDGEINFER_TARGET_BF16 void row_of_tiles(const Product& p, int64_t n0, int64_t n1, int64_t m0, bool prefetch) {
@@ -172,7 +201,9 @@ EDGEINFER_TARGET_BF16 void block(const Product& p, int64_t n0, int64_t n1) {
   switch (p.m - full) {
     case 3: return row_of_tiles<3, 5>(p, n0, n1, full, full == 0);
     case 2: return row_of_tiles<2, 8>(p, n0, n1, full, full == 0);
-    case 1: return row_of_tiles<1, 16>(p, n0, n1, full, full == 0);
+    case 1:
+      for (int64_t n = n0; n < n1; n += 16) tile_in_order(p, full, n);
+      return;
     default: return;
   }
 }
