@@ -196,3 +196,25 @@ def test_inputs_past_the_size_limit_keep_the_torch_ops(ops, monkeypatch):
 def test_every_input_takes_the_kernels_where_they_have_avx512():
     assert _max_elements(frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})) == EVERY_INPUT
     assert _max_elements(frozenset({"avx2", "fma"})) == 16_384
+
+
+@pytest.mark.parametrize("window", [0, 20])
+def test_bf16_decode_attention_matches_the_fp32_loops(ops, window):
+    """Gemma 3's shape (4 query heads of 256 per KV head), contexts around the 16-key tiles: the
+    `vdpbf16ps` scores and vector softmax against the fp32 loops of the AVX-512 level."""
+    if "avx512_bf16" not in kernels.cpu_flags():
+        pytest.skip("no AVX512-BF16 here")
+    ctxs = [1, 15, 16, 17, 200]
+    width = 13
+    tables = torch.arange(1, 1 + len(ctxs) * width).reshape(len(ctxs), width)
+    pools = [_bf16(1 + len(ctxs) * width, 16, 1, 256, seed=s) for s in (1, 2)]
+    q = _bf16(len(ctxs), 4, 256, seed=3)
+    lens = torch.tensor(ctxs)
+    try:
+        fast = ops.paged_decode(q, *pools, tables, lens, 256**-0.5, window)
+        ops.set_isa_cap("avx512")
+        loops = ops.paged_decode(q, *pools, tables, lens, 256**-0.5, window)
+    finally:
+        ops.set_isa_cap(kernels.ISA_LEVELS[-1])
+    # the same roundings (bf16 scores and probabilities); fp32 sums and e^x within a few ulps
+    assert _ulps_apart(fast, loops).max() <= 2 and (fast != loops).float().mean() < 0.02
