@@ -44,42 +44,8 @@ constexpr int64_t kBlock = 80;
 constexpr int64_t kGrainBytes = 64 * 1024;
 constexpr int64_t kL1Bytes = 16 * 1024;  // activation rows a chunk of tiles keeps in L1
 
-// Two accumulators' lanes j + (j + 8): a's in the low 256 bits, b's in the high.
-EDGEINFER_TARGET_BF16 inline __m512 halves(__m512 a, __m512 b) {
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-}
-
-// Each quarter: one accumulator's four partial sums (j + 4 folded in), from two `halves`.
-EDGEINFER_TARGET_BF16 inline __m512 quarters(__m512 x, __m512 y) {
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-}
-
-// j + 2 folded in, from two `quarters`.
-EDGEINFER_TARGET_BF16 inline __m512 pairs(__m512 x, __m512 y) {
-  const __m512d lo = _mm512_castps_pd(x), hi = _mm512_castps_pd(y);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
-}
-
-// The lane sums of 16 accumulators, halving 8, 4, 2, 1 apart: lane i of the result = the sum of a[i]'s.
-// (Written out: GCC keeps an array of vectors indexed in a loop in memory, stored on every K step.)
-EDGEINFER_TARGET_BF16 inline __m512 fold16(const __m512 (&a)[kAcc]) {
-  // The tree leaves its 4i + q-th input's sum in lane 4q + i, so it takes them in transposed order.
-  const __m512 b0 = halves(a[0], a[4]), b1 = halves(a[8], a[12]), b2 = halves(a[1], a[5]),
-               b3 = halves(a[9], a[13]), b4 = halves(a[2], a[6]), b5 = halves(a[10], a[14]),
-               b6 = halves(a[3], a[7]), b7 = halves(a[11], a[15]);
-  const __m512 c0 = quarters(b0, b1), c1 = quarters(b2, b3), c2 = quarters(b4, b5), c3 = quarters(b6, b7);
-  const __m512 d0 = pairs(c0, c1), d1 = pairs(c2, c3);
-  return _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
-}
-
-// fp32 lanes -> bf16 as at::BFloat16 rounds them (to nearest even; NaN -> 0x7FC0).
-EDGEINFER_TARGET_BF16 inline __m256i to_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
+using edgeinfer_cpu::bf16_bits;
+using edgeinfer_cpu::sum_lanes16;
 
 struct Product {
   const uint16_t* x;
@@ -131,7 +97,7 @@ EDGEINFER_TARGET_BF16 void tile(const Product& p, int64_t m0, int64_t n0) {
       for (int m = 0; m < MB; ++m) acc[m * NB + n] = _mm512_dpbf16_ps(acc[m * NB + n], wv, xv[m]);
     }
   }
-  const __m512 sums = fold16(acc);
+  const __m512 sums = sum_lanes16(acc);
   // row m's outputs are lanes [m NB, m NB + nb): a masked store at out - m NB puts them at out[0, nb)
   for (int64_t m = 0; m < mb; ++m) {
     const int64_t at = (m0 + m) * p.n + n0 - m * NB;
@@ -139,7 +105,7 @@ EDGEINFER_TARGET_BF16 void tile(const Product& p, int64_t m0, int64_t n0) {
     if (p.out_f32)
       _mm512_mask_storeu_ps(p.out_f32 + at, lanes, sums);
     else
-      _mm256_mask_storeu_epi16(p.out_bf16 + at, lanes, to_bf16(sums));
+      _mm256_mask_storeu_epi16(p.out_bf16 + at, lanes, bf16_bits(sums));
   }
 }
 
@@ -162,13 +128,13 @@ EDGEINFER_TARGET_BF16 void tile_in_order(const Product& p, int64_t m0, int64_t n
                            (__m512bh)_mm512_maskz_loadu_epi16(tail, x + body));
     acc[n] = a;
   }
-  const __m512 sums = fold16(acc);
+  const __m512 sums = sum_lanes16(acc);
   const __mmask16 lanes = static_cast<__mmask16>((1u << nb) - 1);
   const int64_t at = m0 * p.n + n0;
   if (p.out_f32)
     _mm512_mask_storeu_ps(p.out_f32 + at, lanes, sums);
   else
-    _mm256_mask_storeu_epi16(p.out_bf16 + at, lanes, to_bf16(sums));
+    _mm256_mask_storeu_epi16(p.out_bf16 + at, lanes, bf16_bits(sums));
 }
 
 // Weight rows [n0, n1) x activation rows [m0, m0 + MB) in MB x NB tiles; `prefetch`: each tile fetches the next.

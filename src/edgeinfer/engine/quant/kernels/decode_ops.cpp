@@ -35,6 +35,11 @@ namespace {
 using edgeinfer_cpu::Isa;
 
 using edgeinfer_cpu::bf16_bits_to_float;
+#if EDGEINFER_X86
+using edgeinfer_cpu::bf16_bits;
+using edgeinfer_cpu::round_bf16x16;
+using edgeinfer_cpu::sum_lanes16;
+#endif
 
 inline float round_bf16(float f) { return static_cast<float>(c10::BFloat16(f)); }
 
@@ -89,21 +94,6 @@ EDGEINFER_TARGET_AVX512 void axpy_avx512(float p, const float* x, float* y, int6
     const __mmask16 m = n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1;
     _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
   }
-}
-
-// fp32 lanes rounded to bf16 values (to nearest even, as c10::BFloat16; NaN stays NaN), kept in fp32.
-EDGEINFER_TARGET_AVX512_BASE inline __m512 round_bf16x16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
-                                     _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
-}
-
-// fp32 lanes -> their bf16 bits as c10::BFloat16 rounds them (NaN -> 0x7FC0).
-EDGEINFER_TARGET_AVX512_BASE inline __m256i bf16_bits(__m512 v) {
-  const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16x16(v)), 16);
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0)));
 }
 
 // scale_row_scalar, 16 at a time.
@@ -394,34 +384,11 @@ void attend_group(const float* q, int64_t group, const uint16_t* const* k_rows, 
 // ---- The same attention on AVX512-BF16 -----------------------------------------------------------------
 //
 // Scores 16 keys at a time: each key row against a query head is one `vdpbf16ps` chain over bf16 pairs
-// (products exact, fp32 sums) and one transpose-add tree sums the 16 chains (bf16_tiles.cpp's order);
+// (products exact, fp32 sums) and one transpose-add tree sums the 16 chains (isa.h's sum_lanes16);
 // the softmax in vectors (exp by a degree-6 polynomial on the reduced argument, within ~1 ulp of
 // std::exp); then V rows widened once per 64 outputs and multiplied into G query heads' sums in registers.
 // Gemma 3 270M's shape (4 query heads of 256 per KV head), 32 sequences of 200 keys, 2 threads, AMD EPYC
 // (Zen 4): 0.75 -> 0.31 ms a layer against the fp32 loops; outputs equal but for 0.14 % one bf16 step apart.
-
-EDGEINFER_TARGET_BF16 inline __m512 add_halves(__m512 a, __m512 b) {
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-}
-
-EDGEINFER_TARGET_BF16 inline __m512 add_quarters(__m512 x, __m512 y) {
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-}
-
-EDGEINFER_TARGET_BF16 inline __m512 add_pairs(__m512 x, __m512 y) {
-  const __m512d lo = _mm512_castps_pd(x), hi = _mm512_castps_pd(y);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
-}
-
-// Lane i: the sum of a[i]'s lanes.
-EDGEINFER_TARGET_BF16 inline __m512 sum_lanes16(const __m512 (&a)[16]) {
-  const __m512 c0 = add_quarters(add_halves(a[0], a[4]), add_halves(a[8], a[12]));
-  const __m512 c1 = add_quarters(add_halves(a[1], a[5]), add_halves(a[9], a[13]));
-  const __m512 c2 = add_quarters(add_halves(a[2], a[6]), add_halves(a[10], a[14]));
-  const __m512 c3 = add_quarters(add_halves(a[3], a[7]), add_halves(a[11], a[15]));
-  const __m512 d0 = add_pairs(c0, c1), d1 = add_pairs(c2, c3);
-  return _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
-}
 
 // scores[j] = bf16(q . k_j) * scale for keys [0, n), 16 at a time (a partial last 16 computed on the last
 // key again and not stored).
