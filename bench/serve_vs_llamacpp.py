@@ -99,7 +99,20 @@ def our_server(model: str, port: int, extra: list[str], threads: int) -> Iterato
     log = RESULTS / "logs" / f"edgeinfer-{port}.log"
     print(f"starting: {shlex.join(argv)}", file=sys.stderr)
     with running_server(argv, f"http://127.0.0.1:{port}", log, "/ready", timeout_s=900, env=env) as server:
+        _refuse_fallback(log)
         yield server
+
+
+# What the loader logs when our CPU kernels did not build (engine/loading.py): the server then serves on
+# torch's kernels, which is not what the tables are about (an edit to a kernel source while a run started
+# a server once measured int4 at a third of its speed).
+FALLBACK = ("keep torch's kernels", "loading afresh with torch's kernels")
+
+
+def _refuse_fallback(log: Path) -> None:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if any(f in ln for f in FALLBACK)]
+    if lines:
+        raise SystemExit(f"our server fell back to torch's kernels, not measuring it: {lines[0].strip()}")
 
 
 def llama_version() -> str:
