@@ -4,7 +4,7 @@ On AVX-512 CPUs with AVX512-BF16 and no AMX, every product takes the kernel: reg
 `vdpbf16ps` with the next weight tile prefetched into L2 (bf16_tiles.cpp), one summation order per output
 whatever the row count, so a sequence's logits do not depend on the batch it decodes in. AMD EPYC (Zen 4),
 2 threads, 2026-12-04, kernel / torch's GEMM: the 262k x 640 Gemma lm_head at 1 / 8 / 16 / 32 / 128 rows
-8.8-10.0 / 10.5 / 16.8 / 31.0 / 115 ms against 19.7 / 24.5 / 31.3 / 43-49 / 134-144 ms; Gemma's layer
+10.3-10.8 / 10.5 / 16.8 / 31.0 / 115 ms against 19.7 / 24.5 / 31.3 / 43-49 / 134-144 ms; Gemma's layer
 shapes at 128-1024 rows (prefill) 0.9-1.06x torch's speed (both ~370-420 GFLOP/s, weights in cache).
 
 Elsewhere the decode-step loops of bf16_gemv.cpp take the few-row products and torch's GEMM the wider ones:
