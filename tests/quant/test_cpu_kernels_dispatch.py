@@ -16,7 +16,7 @@ from edgeinfer.engine.engine import LLMEngine
 from edgeinfer.engine.loading import parse_quantization, uses_cpu_gemv
 from edgeinfer.engine.quant import QuantLinear, kernels
 from edgeinfer.engine.quant.kernels import bf16
-from edgeinfer.engine.quant.kernels.bf16 import EVERY_ROW, GemvLinear, _gemv_rows
+from edgeinfer.engine.quant.kernels.bf16 import GemvLinear, _gemv_rows
 from edgeinfer.types import SamplingParams
 
 
@@ -170,8 +170,8 @@ def test_gemv_linear_keeps_torch_for_wide_inputs(ops, monkeypatch):
     assert torch.allclose(fast(one).float(), lin(one).float(), atol=0.03, rtol=0.01)  # the bias is added
 
 
-def test_bf16_products_of_every_size_take_the_kernel_only_where_it_has_tiles():
+def test_bf16_decode_products_take_the_kernel_up_to_the_default_batch_where_it_has_tiles():
     base = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})
-    assert _gemv_rows(base | {"avx512_bf16"}) == EVERY_ROW
+    assert _gemv_rows(base | {"avx512_bf16"}) == EngineConfig().max_num_seqs == 64
     assert _gemv_rows(base | {"avx512_bf16", "amx_bf16"}) == 2  # oneDNN's AMX GEMM from 4 rows
     assert _gemv_rows(base) == 16 and _gemv_rows(frozenset({"avx2", "fma"})) == 4

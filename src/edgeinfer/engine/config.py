@@ -67,7 +67,7 @@ class EngineConfig:
     # rows bit for bit as `_int_mm`, on the same codes (Gemma 3 270M's lm_head at one row 17.5 -> 7.8 ms);
     # int4 with activations rounded to int8 per group (W4A8, as llama.cpp multiplies Q4/Q5 blocks by Q8 ones;
     # perplexity -0.07 % +- 0.30 % against W4A16): 4x torch's int4 kernel at one row, 1.8x at 512. bf16
-    # linear layers, fp32 sums (kernels/bf16.py): every product on AVX512-BF16 without AMX, else products of
+    # linear layers, fp32 sums (kernels/bf16.py): products of <= 64 rows on AVX512-BF16 without AMX, else
     # <= 16 rows on AVX-512 (4 on AVX2, 2 with AMX). A model on these kernels also takes our ops for norms,
     # rope, the gated activation and paged decode attention (kernels/decode.py). None
     # (auto): on where the CPU has the features (AVX2 and FMA; VNNI / AVX512-BF16, where present, are

@@ -1,11 +1,13 @@
 """Float models' linear layers through `bf16_gemv` (bf16_gemv.cpp, bf16_tiles.cpp) where it outruns torch.
 
-On AVX-512 CPUs with AVX512-BF16 and no AMX, every product takes the kernel: register tiles of
-`vdpbf16ps` with the next weight tile prefetched into L2 (bf16_tiles.cpp), one summation order per output
-whatever the row count, so a sequence's logits do not depend on the batch it decodes in. AMD EPYC (Zen 4),
-2 threads, 2026-12-04, kernel / torch's GEMM: the 262k x 640 Gemma lm_head at 1 / 8 / 16 / 32 / 128 rows
-10.3-10.8 / 10.5 / 16.8 / 31.0 / 115 ms against 19.7 / 24.5 / 31.3 / 43-49 / 134-144 ms; Gemma's layer
-shapes at 128-1024 rows (prefill) 0.9-1.06x torch's speed (both ~370-420 GFLOP/s, weights in cache).
+On AVX-512 CPUs with AVX512-BF16 and no AMX, products of up to 64 rows (every decode step of up to
+`max_num_seqs` = 64 sequences) take the kernel: register tiles of `vdpbf16ps` with the next weight tile
+prefetched into L2 (bf16_tiles.cpp), one summation order per output whatever the row count, so a
+sequence's logits do not depend on the batch it decodes in. AMD EPYC (Zen 4), 2 threads, 2026-12-04,
+kernel / torch's GEMM: the 262k x 640 Gemma lm_head at 1 / 8 / 16 / 32 / 128 rows 10.3-10.8 / 10.5 / 16.8
+/ 31.0 / 115 ms against 19.7 / 24.5 / 31.3 / 43-49 / 134-144 ms. Wider products (prefill) keep torch's
+GEMM, which blocks for the caches: Gemma's layer shapes at 128-512 rows 0.87-1.05x its speed in the tiles,
+all-MiniLM's (384 inputs, 384-1536 outputs) at 512 rows 0.65-0.75x.
 
 Elsewhere the decode-step loops of bf16_gemv.cpp take the few-row products and torch's GEMM the wider ones:
 - Intel Xeon with AMX, 1 thread (an older form of the kernel, two activation rows a pass) at 1 / 2 / 4 /
@@ -23,8 +25,6 @@ from torch.nn import functional as F
 
 from edgeinfer.engine.quant.kernels import cpu_flags
 
-EVERY_ROW = 2**62  # no limit
-
 
 def _gemv_rows(flags: frozenset[str]) -> int:
     """Products of up to this many rows take the kernel (module docstring)."""
@@ -32,7 +32,7 @@ def _gemv_rows(flags: frozenset[str]) -> int:
     if "amx_bf16" in flags:
         return 2
     if avx512 and "avx512_bf16" in flags:
-        return EVERY_ROW
+        return 64
     return 16 if avx512 else 4
 
 

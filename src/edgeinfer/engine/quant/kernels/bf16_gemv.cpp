@@ -1,8 +1,8 @@
 // bf16 products y[M, N] = x[M, K] @ W[N, K]^T of float (bf16) models' linear layers, W row-major as stored
 // (nn.Linear's weight, the tied embedding: no second copy), fp32 sums, into fp32 or bf16.
 //
-// On AVX512-BF16 every product goes to bf16_tiles.cpp (register tiles of `vdpbf16ps`, one summation order
-// for every row count). Below that, these decode-step loops, one weight row at a time against up to four
+// On AVX512-BF16 every call goes to bf16_tiles.cpp (register tiles of `vdpbf16ps`, one summation order
+// for every row count; kernels/bf16.py decides which products call). Below that, these decode-step loops, one weight row at a time against up to four
 // activation rows (two with AVX2):
 //
 //   avx512 / avx2: weights widened to fp32 by a 16-bit shift (bf16 is the top half of an fp32), FMA

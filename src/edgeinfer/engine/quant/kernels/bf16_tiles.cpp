@@ -1,5 +1,6 @@
 // bf16 products y[M, N] = x[M, K] @ W[N, K]^T on AVX512-BF16, for any number of rows: decode steps of
-// one sequence or of many, and prefill.
+// one sequence or of many (kernels/bf16.py sends products of up to 64 rows; torch's GEMM is as fast on
+// wider ones).
 //
 // `vdpbf16ps` multiplies 32 bf16 pairs into 16 fp32 lanes. Every output is one chain of these over K (a
 // masked last chunk where K is not a multiple of 32), then its 16 lanes summed by halving (8, 4, 2, 1
