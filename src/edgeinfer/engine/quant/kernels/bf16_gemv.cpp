@@ -2,8 +2,8 @@
 // (nn.Linear's weight, the tied embedding: no second copy), fp32 sums, into fp32 or bf16.
 //
 // On AVX512-BF16 every call goes to bf16_tiles.cpp (register tiles of `vdpbf16ps`, one summation order
-// for every row count; kernels/bf16.py decides which products call). Below that, these decode-step loops, one weight row at a time against up to four
-// activation rows (two with AVX2):
+// for every row count; kernels/bf16.py decides which products call). Below that, these decode-step loops,
+// one weight row at a time against up to four activation rows (two with AVX2):
 //
 //   avx512 / avx2: weights widened to fp32 by a 16-bit shift (bf16 is the top half of an fp32), FMA
 //                  against the activations converted to fp32 once;
@@ -71,7 +71,7 @@ void tile_scalar(const Operands& op, const uint16_t* w, int64_t m0, float* y, in
 }
 
 #if EDGEINFER_X86
-// Helpers of both AVX-512 variants (the base set's target, so each inlines them).
+// Helpers of the AVX-512 variant (the base set's target, so that it inlines them).
 template <int MB, int U>
 EDGEINFER_TARGET_AVX512_BASE inline void zero(__m512 (&acc)[MB][U]) {
   for (auto& row : acc)
