@@ -14,14 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from edgeinfer.engine.quant.kernels import cpu_flags
+from edgeinfer.engine.quant.kernels import AVX512_FLAGS, cpu_flags
 
 EVERY_INPUT = 2**62  # no limit
 
 
 def _max_elements(flags: frozenset[str]) -> int:
     """Inputs of up to this many values take the kernels (module docstring)."""
-    return EVERY_INPUT if {"avx512f", "avx512bw", "avx512vl"} <= flags else 16_384
+    return EVERY_INPUT if flags >= AVX512_FLAGS else 16_384
 
 
 MAX_ELEMENTS = _max_elements(cpu_flags())

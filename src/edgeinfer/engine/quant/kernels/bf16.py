@@ -23,12 +23,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from edgeinfer.engine.quant.kernels import cpu_flags
+from edgeinfer.engine.quant.kernels import AVX512_FLAGS, cpu_flags
 
 
 def _gemv_rows(flags: frozenset[str]) -> int:
     """Products of up to this many rows take the kernel (module docstring)."""
-    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
+    avx512 = flags >= AVX512_FLAGS
     if "amx_bf16" in flags:
         return 2
     if avx512 and "avx512_bf16" in flags:

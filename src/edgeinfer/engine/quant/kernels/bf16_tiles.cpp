@@ -56,6 +56,20 @@ struct Product {
   at::BFloat16* out_bf16;
 };
 
+// A tile's sums (lane m * nb_tile + n: activation row m0 + m, weight row n0 + n) into rows [m0, m0 + mb) x
+// [n0, n0 + nb) of the output: row m's lanes by a masked store at out - m * nb_tile.
+EDGEINFER_TARGET_BF16 inline void store(const Product& p, __m512 sums, int64_t m0, int64_t mb, int64_t n0,
+                                        int64_t nb, int nb_tile) {
+  for (int64_t m = 0; m < mb; ++m) {
+    const int64_t at = (m0 + m) * p.n + n0 - m * nb_tile;
+    const __mmask16 lanes = static_cast<__mmask16>(((1u << nb) - 1) << (m * nb_tile));
+    if (p.out_f32)
+      _mm512_mask_storeu_ps(p.out_f32 + at, lanes, sums);
+    else
+      _mm256_mask_storeu_epi16(p.out_bf16 + at, lanes, bf16_bits(sums));
+  }
+}
+
 // Outputs of activation rows [m0, m0 + MB) x weight rows [n0, n0 + NB): one chain each (acc[m * NB + n])
 // over K in chunks of 32, the last one masked. kPrefetch: the next NB weight rows fetched into L2
 // meanwhile. Rows past the end are computed on the last row again and not stored.
@@ -98,16 +112,7 @@ EDGEINFER_TARGET_BF16 void tile(const Product& p, int64_t m0, int64_t n0) {
       for (int m = 0; m < MB; ++m) acc[m * NB + n] = _mm512_dpbf16_ps(acc[m * NB + n], wv, xv[m]);
     }
   }
-  const __m512 sums = sum_lanes16(acc);
-  // row m's outputs are lanes [m NB, m NB + nb): a masked store at out - m NB puts them at out[0, nb)
-  for (int64_t m = 0; m < mb; ++m) {
-    const int64_t at = (m0 + m) * p.n + n0 - m * NB;
-    const __mmask16 lanes = static_cast<__mmask16>(((1u << nb) - 1) << (m * NB));
-    if (p.out_f32)
-      _mm512_mask_storeu_ps(p.out_f32 + at, lanes, sums);
-    else
-      _mm256_mask_storeu_epi16(p.out_bf16 + at, lanes, bf16_bits(sums));
-  }
+  store(p, sum_lanes16(acc), m0, mb, n0, nb, NB);
 }
 
 // One activation row against 16 weight rows read one after another, each start to end (one sequential
@@ -129,13 +134,7 @@ EDGEINFER_TARGET_BF16 void tile_in_order(const Product& p, int64_t m0, int64_t n
                            (__m512bh)_mm512_maskz_loadu_epi16(tail, x + body));
     acc[n] = a;
   }
-  const __m512 sums = sum_lanes16(acc);
-  const __mmask16 lanes = static_cast<__mmask16>((1u << nb) - 1);
-  const int64_t at = m0 * p.n + n0;
-  if (p.out_f32)
-    _mm512_mask_storeu_ps(p.out_f32 + at, lanes, sums);
-  else
-    _mm256_mask_storeu_epi16(p.out_bf16 + at, lanes, bf16_bits(sums));
+  store(p, sum_lanes16(acc), m0, 1, n0, nb, 16);
 }
 
 // Weight rows [n0, n1) x activation rows [m0, m0 + MB) in MB x NB tiles; `prefetch`: each tile fetches the next.

@@ -201,7 +201,8 @@ EDGEINFER_TARGET_AVX2 void axpy_avx2(float p, const float* x, float* y, int64_t 
 }
 #endif
 
-// `bf16_attention`: decode attention through attend_group_bf16 (AVX512-BF16) where the head dims allow.
+// `bf16_attention`: decode attention through attend_group_bf16 (AVX512-BF16; attend_sequences clears it
+// where the head dims do not allow).
 struct Vec {
   void (*widen)(const uint16_t*, float*, int64_t);
   float (*dot)(const float*, const float*, int64_t);
@@ -486,8 +487,8 @@ void check_pool(const at::Tensor& pool, const at::Tensor& x, const char* name) {
               name, " must be one token's bf16 [1, heads, dim] of the pool's shape");
 }
 
-// The query heads of KV head `h` of one sequence (`q`: its query heads in fp32, `q16` in bf16) over its
-// keys [s.first, s.ctx) in the blocks `ids` of the pools, where they lie -> `out` (its heads' outputs).
+// The query heads of KV head `h` of one sequence (`q16`: its query heads; `q`: the same in fp32, for the
+// fp32 loops only) over its keys [s.first, s.ctx) in the blocks `ids` of the pools, where they lie -> `out` (its heads' outputs).
 void attend_head(const float* q, const uint16_t* q16, const uint16_t* kb, const uint16_t* vb, const int64_t* ids,
                  const DecodeShape& s, int64_t h, float scale, c10::BFloat16* out, const Vec& vec, Rows& rows) {
   const int64_t group = s.hq / s.hkv;
@@ -499,7 +500,7 @@ void attend_head(const float* q, const uint16_t* q16, const uint16_t* kb, const 
     rows.v[t - s.first] = vb + (flat * s.hkv + h) * s.dv;
   }
 #if EDGEINFER_X86
-  if (vec.bf16_attention && s.d % 32 == 0 && s.dv % 16 == 0)
+  if (vec.bf16_attention)
     return attend_group_bf16(q16 + h * group * s.d, group, rows.k.data(), rows.v.data(), s, scale,
                              out + h * group * s.dv, rows.buf);
 #endif
@@ -534,10 +535,12 @@ at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k_pool, const
   const int64_t batch = q.size(0), hq = q.size(1), hkv = k_pool.size(2), dv = v_pool.size(3);
   const auto* kb = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>());
   const auto* vb = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
-  const at::Tensor qc = q.contiguous(), qf = q.to(at::kFloat).contiguous();
+  Vec vec = pick();
+  vec.bf16_attention = vec.bf16_attention && k_pool.size(3) % 32 == 0 && dv % 16 == 0;
+  const at::Tensor qc = q.contiguous(), qf = vec.bf16_attention ? at::Tensor() : q.to(at::kFloat).contiguous();
   const auto* q16 = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
+  const float* q32 = qf.defined() ? qf.data_ptr<float>() : nullptr;
   auto out = at::empty({batch, hq, dv}, q.options());
-  const Vec vec = pick();
   // tasks split across threads only when the contexts are long enough to repay a parallel region
   const int64_t longest = *std::max_element(ctx, ctx + batch);
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(longest * (hq / hkv), 1));
@@ -547,7 +550,7 @@ at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k_pool, const
       const int64_t b = t / hkv, h = t % hkv;
       const DecodeShape s{hq, hkv, k_pool.size(3), dv, k_pool.size(1), ctx[b],
                           window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0};
-      attend_head(qf.data_ptr<float>() + b * hq * s.d, q16 + b * hq * s.d, kb, vb, ids + b * width, s, h,
+      attend_head(q32 ? q32 + b * hq * s.d : nullptr, q16 + b * hq * s.d, kb, vb, ids + b * width, s, h,
                   static_cast<float>(scale), out.data_ptr<at::BFloat16>() + b * hq * dv, vec, rows);
     }
   });
