@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -50,6 +51,34 @@ async def test_leaving_the_stream_aborts_and_frees_blocks(aengine):
     stats = aengine.stats()
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
     aengine.check_integrity()
+
+
+async def test_a_caller_that_leaves_learns_what_was_computed(aengine):
+    """Outputs the caller never took and tokens made before the abort landed are in the final count."""
+    finals = []
+    req = EngineRequest("slow", [5, 6, 7], SamplingParams(max_tokens=300, ignore_eos=True))
+    taken = 0
+    async with contextlib.aclosing(aengine.generate(req, finals.append)) as stream:
+        async for out in stream:
+            taken += len(out.new_token_ids)
+            await asyncio.sleep(0.2)  # a slow reader: the engine runs ahead
+            if taken >= 2:
+                break
+    (final,) = finals
+    assert taken < final.completion_tokens <= 300 and final.prompt_tokens == 3
+    # a request that had finished in the engine before its caller left: counted whole, no abort needed
+    done = []
+    async with contextlib.aclosing(
+        aengine.generate(
+            EngineRequest("quick", [5], SamplingParams(max_tokens=5, ignore_eos=True)), done.append
+        )
+    ) as stream:
+        await anext(stream)
+        for _ in range(200):
+            if aengine.stats().num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+    assert [u.completion_tokens for u in done] == [5]
 
 
 async def test_bad_request_raises_and_others_continue(aengine):

@@ -110,10 +110,12 @@ def test_shutdown_aborts_what_outlives_its_grace(node_factory, tiny_llama_dir) -
     limits = ConnectionLimits(shutdown_grace_s=1.0, stream_write_timeout_s=300.0)
     node = node_factory({"tiny": tiny_llama_dir}, preload=("tiny",), connections=limits)
     sock = _stalled_stream(node)
-    time.sleep(1.0)  # the stream is backed up now
+    # every token is computed (the engine never waits on a reader), most of them never written
+    node.wait_idle("tiny", timeout=60)
     started = time.monotonic()
     node.stop()
     assert time.monotonic() - started < 10
     sock.close()
     (record,) = _records(node.service.store.path)
     assert record.status == 499
+    assert record.output_tokens == STREAM["max_tokens"]  # billed what the engine computed

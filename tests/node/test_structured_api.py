@@ -16,6 +16,7 @@ from helpers.structured_models import make_structured_tiny
 from pydantic import BaseModel, Field
 
 from edgeinfer.engine.config import EngineConfig
+from edgeinfer.structured.call_stream import merge_call_deltas
 
 TEMPLATES = Path(__file__).parent.parent / "tokenizer" / "templates"
 # family name -> (tiny model family, chat template file or None for the built-in format)
@@ -177,18 +178,20 @@ def test_tool_calls_round_trip_per_family(client: openai.OpenAI, family: str) ->
     choice = forced.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     _check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
-    # streamed, one named function, no parallel calls
+    # streamed, one named function, no parallel calls: the SDK puts the call together from its deltas
     named = {"type": "function", "function": {"name": "get_weather"}}
-    stream = client.chat.completions.create(
+    with client.chat.completions.stream(
         model=family, messages=ASK, tools=TOOLS, tool_choice=named, parallel_tool_calls=False,
-        max_tokens=96, temperature=0, stream=True,
-    )  # fmt: skip
-    chunks = [c for c in stream if c.choices]
-    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls" and len(deltas) == 1
-    _check_calls(deltas, {"get_weather"})
+        max_tokens=96, temperature=0,
+    ) as stream:  # fmt: skip
+        events = list(stream)
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and len(final.message.tool_calls) == 1
+    _check_calls(final.message.tool_calls, {"get_weather"})
+    pieces = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    assert "".join(p.arguments_delta for p in pieces) == final.message.tool_calls[0].function.arguments
     # the call and its result go back to the model: the family's template renders them
-    call = deltas[0]
+    call = final.message.tool_calls[0]
     function = {"name": call.function.name, "arguments": call.function.arguments}
     history = [
         *ASK,
@@ -244,7 +247,10 @@ def test_fields_pass_through_an_upstream_member(upstream_node: str, node_factory
         )  # fmt: skip
         if stream:
             chunks = [c for c in reply if c.choices]
-            calls = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+            calls = merge_call_deltas(
+                [d.model_dump(exclude_none=True) for c in chunks for d in c.choices[0].delta.tool_calls or []]
+            )
+            calls = [openai.types.chat.ChatCompletionMessageToolCall.model_validate(c) for c in calls]
             finish = chunks[-1].choices[0].finish_reason
         else:
             calls, finish = reply.choices[0].message.tool_calls, reply.choices[0].finish_reason

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from edgeinfer.structured.call_stream import merge_call_deltas
 from edgeinfer.structured.formats import FORMATS, format_for
 from edgeinfer.structured.grammar import lark_grammar
 from edgeinfer.structured.stream import AnswerParser, Parts
@@ -68,10 +69,11 @@ def test_streamed_answers_split_like_whole_ones(name: str, chunk: int) -> None:
     parser = AnswerParser(FORMATS[name], reasoning=True)
     parts = [parser.feed(answer[i : i + chunk]) for i in range(0, len(answer), chunk)] + [parser.finish()]
     merged = Parts("".join(p.reasoning for p in parts), "".join(p.content for p in parts))
-    calls = [c for p in parts for c in p.tool_calls]
+    calls = merge_call_deltas([c for p in parts for c in p.tool_calls])
     assert merged.reasoning == "Need the weather."
     assert merged.content == FORMATS[name].parse(ANSWERS[name])[0]
-    assert [json.loads(c.arguments) for c in calls] == [WEATHER_ARGS]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [WEATHER_ARGS]
 
 
 def test_reasoning_opened_by_the_prompt_and_plain_content() -> None:

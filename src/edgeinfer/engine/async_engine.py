@@ -10,18 +10,24 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import EngineStats, LLMEngine
 from edgeinfer.engine.threads import name_os_thread
-from edgeinfer.types import EngineRequest, RequestOutput
+from edgeinfer.types import EngineRequest, RequestOutput, Usage
 
 log = logging.getLogger(__name__)
 
 # The step thread's OS name (and so its OpenMP workers'), as /proc, top -H and bench/serve_overhead.py see it.
 STEP_THREAD_NAME = "edgeinfer-step"
+# The answer to an abort of a request the engine no longer holds (it finished meanwhile).
+_ABORT_SEEN = object()
+# How long a caller that left waits for the engine to answer its abort (one step, normally).
+_ABORT_WAIT_S = 10.0
+_ABORT_POLL_S = 0.25  # how often that wait checks the loop is still alive
 
 
 @dataclass
@@ -48,8 +54,14 @@ class AsyncLLMEngine:
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
         return cls(LLMEngine(config))
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Stream deltas until the request finishes; leaving early aborts it and frees its blocks."""
+    async def generate(
+        self, request: EngineRequest, on_final_usage: Callable[[Usage], None] | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream deltas until the request finishes; leaving early aborts it and frees its blocks.
+
+        `on_final_usage` receives what the engine computed for the request when the caller leaves early:
+        outputs it never took (a client that stopped reading) and tokens made before the abort landed count
+        too, so a bill never stops at what the writer pulled."""
         self.engine.validate(request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
@@ -64,9 +76,35 @@ class AsyncLLMEngine:
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(request.request_id, None)
-            if not finished:
-                self.abort(request.request_id)
+            try:
+                if not finished:
+                    usage = await self._final_usage(request.request_id, stream)
+                    if usage is not None and on_final_usage is not None:
+                        on_final_usage(usage)
+            finally:
+                self._streams.pop(request.request_id, None)
+
+    async def _final_usage(self, request_id: str, stream: _Stream) -> Usage | None:
+        """What the engine computed for a request its caller left: the usage of the last output queued for
+        it. Where that is not its final one, the request is aborted and the engine's answer awaited (it
+        answers every abort, after the outputs it queued before; `_ABORT_SEEN` when the request had already
+        left it); a stopped loop answers nothing."""
+        usage, final = None, False
+        while not final and not stream.queue.empty():
+            usage, final = _taken(stream.queue.get_nowait(), usage)
+        if final:
+            return usage
+        self.abort(request_id)
+        deadline = time.monotonic() + _ABORT_WAIT_S
+        while not final and time.monotonic() < deadline:
+            if stream.queue.empty() and self.health() is not None:
+                break
+            try:
+                item = await asyncio.wait_for(stream.queue.get(), _ABORT_POLL_S)
+            except TimeoutError:
+                continue
+            usage, final = _taken(item, usage)
+        return usage
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -118,8 +156,7 @@ class AsyncLLMEngine:
                 self._add(payload)
             else:
                 out = self.engine.abort(payload)
-                if out is not None:
-                    self._deliver(out)
+                self._deliver(out if out is not None else _ABORT_SEEN, payload)
 
     def _add(self, request: EngineRequest) -> None:
         if request.request_id not in self._streams:
@@ -147,8 +184,8 @@ class AsyncLLMEngine:
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
+    def _deliver(self, out: object, request_id: str) -> None:
+        stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
@@ -156,6 +193,13 @@ class AsyncLLMEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+
+
+def _taken(item: object, usage: Usage | None) -> tuple[Usage | None, bool]:
+    """(the latest usage, whether the stream has ended) after one more queued item."""
+    if isinstance(item, RequestOutput):
+        return item.usage, item.finished
+    return usage, True  # `_ABORT_SEEN` or an error: nothing more will come
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -77,7 +77,7 @@ class LLMEngine:
             # SentencePiece reads its model without the GIL (~0.1 s for Gemma 3) while the weights load;
             # a tokenizer that cannot be read is reported once they have
             tokenizer = aside.submit(Tokenizer.from_checkpoint, ckpt)
-            self.model = load_model(ckpt, dtype, self.device, config)
+            self.model = load_model(ckpt, dtype, self.device, config, tokenizer.result)
             self.tokenizer = tokenizer.result()
         self.layout: EngineLayout = plan_layout(config, self.model, dtype)
         storage = KVCacheStorage(

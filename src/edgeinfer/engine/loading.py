@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +31,11 @@ from edgeinfer.engine.quant.kernels.bf16 import GemvLinear, use_bf16_gemv
 from edgeinfer.engine.quant.kv import get_kv_quantizer
 from edgeinfer.engine.quant.layers import PreparedModule
 from edgeinfer.engine.quant.smoothing import SmoothReport, scale_for_quantization
+
+if TYPE_CHECKING:
+    from edgeinfer.engine.tokenizer import Tokenizer
+
+    TokenizerSource = Callable[[], Tokenizer]
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +69,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(
-    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, config: EngineConfig | None = None
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: EngineConfig | None = None,
+    tokenizer: TokenizerSource | None = None,
 ) -> nn.Module:
     """Build the model, fill its weights and apply weight quantization: a quantized checkpoint
     (compressed-tensors `quantization_config`) loads its stored states as is; `config.quantization` on a
     float checkpoint quantizes at load. On CPU the result is kept in the prepared-form cache
-    (engine/prepared), and a later load with the same source and settings memory-maps it instead."""
+    (engine/prepared), and a later load with the same source and settings memory-maps it instead.
+    `tokenizer` gives the checkpoint's tokenizer where calibration needs one (the engine's own, being read
+    meanwhile); without it calibration reads one itself."""
     config = config or EngineConfig(model=str(ckpt.path))
     cache, key = _prepared_cache(ckpt, dtype, device, config)
     skeleton = partial(_build, ckpt, dtype, torch.device("meta"), config.mla_mode)  # what the cache fills
@@ -76,7 +88,7 @@ def load_model(
     if model is not None and not _kernels_ready(model, config):
         model = None
     if model is None:
-        model = _load_fresh(ckpt, dtype, device, config)
+        model = _load_fresh(ckpt, dtype, device, config, tokenizer)
         # a model left on torch's kernels because ours did not build here is not what the key stands for
         if cache and (uses_cpu_gemv(model) or not _kernels_expected(model, config, device)):
             cache.save(key, model, skeleton())
@@ -100,7 +112,11 @@ def _build(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, mla_mode:
 
 
 def _load_fresh(
-    ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, config: EngineConfig
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: EngineConfig,
+    tokenizer: TokenizerSource | None,
 ) -> nn.Module:
     model = _build(ckpt, dtype, device, config.mla_mode)
     stored = QuantizationConfig.from_hf(ckpt.config)
@@ -109,7 +125,7 @@ def _load_fresh(
     else:
         model.load_weights(ckpt.iter_tensors(_load_dtype(model, dtype)))
         if config.quantization:
-            _quantize_float_model(model, ckpt, config, dtype, device)
+            _quantize_float_model(model, ckpt, config, dtype, device, tokenizer)
     if _wants_cpu_gemv(config, device):
         _use_cpu_gemv(model, required=bool(config.cpu_gemv))
     return model
@@ -213,13 +229,19 @@ def uses_cpu_gemv(model: nn.Module) -> bool:
 
 
 def _quantize_float_model(
-    model: nn.Module, ckpt: Checkpoint, config: EngineConfig, dtype: torch.dtype, device: torch.device
+    model: nn.Module,
+    ckpt: Checkpoint,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tokenizer: TokenizerSource | None,
 ) -> None:
     method = parse_quantization(config.quantization or "")
     head = head_method(config.lm_head_quantization, method)
     states: dict[str, dict[str, torch.Tensor]] = {}
     if config.calibrate_quantization:
-        report = calibrate(model, ckpt, method, dtype, device, config.gptq_calibration, head=head)
+        gptq = config.gptq_calibration
+        report = calibrate(model, ckpt, method, dtype, device, gptq, head=head, tokenizer=tokenizer)
         states = report.states
     quantize_model(
         model,
@@ -240,13 +262,14 @@ def calibrate(
     gptq: str | None,
     skip: Callable[[str], bool] = lambda name: False,
     head: WeightMethod | None = None,
+    tokenizer: TokenizerSource | None = None,
 ) -> SmoothReport:
     """Scale the float model's layer inputs for `method` (and the lm_head's for a `head` method) on its
     activations over the calibration text, each window a one-shot prefill; with `gptq` (its text) int4
     layers are rounded by GPTQ."""
     from edgeinfer.engine.tokenizer import Tokenizer  # the tokenizer pulls in transformers
 
-    tok = Tokenizer.from_checkpoint(ckpt)
+    tok = tokenizer() if tokenizer is not None else Tokenizer.from_checkpoint(ckpt)
     ids = calibration_ids(tok, gptq)
     prefill = partial(prefill_hidden, model, dtype=dtype, device=device)
     with torch.no_grad():

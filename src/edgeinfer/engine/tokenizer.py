@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -142,11 +143,23 @@ def _token_id(hf: PreTrainedTokenizerBase | DirectTokenizer) -> Callable[[str], 
     return lookup
 
 
-def _load_pretrained(directory: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+# transformers resolves its names lazily on first use, and two threads doing that at once can see a half-made
+# module (`cannot import name 'AutoTokenizer'`): the engine reads its tokenizer on a helper thread while the
+# main thread may build one for calibration, and the pool loads models on worker threads. Loading holds the
+# lock too: it imports the family's tokenizer module on the way.
+_TRANSFORMERS = threading.Lock()
 
+
+def _auto_tokenizer(*args: Any, **kwargs: Any) -> PreTrainedTokenizerBase:
+    with _TRANSFORMERS:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(*args, **kwargs)
+
+
+def _load_pretrained(directory: Path) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(str(directory))
+        return _auto_tokenizer(str(directory))
     except (OSError, ValueError, TypeError) as exc:
         raise CheckpointError(f"{directory}: cannot load tokenizer ({one_line(exc)})") from exc
 
@@ -156,10 +169,8 @@ def _gguf_tokenizer(gguf_path: Path, cache_dir: Path) -> PreTrainedTokenizerBase
     if _cached_stamp(cache_dir) == stamp:
         return _load_saved(cache_dir)
     log.info("building the tokenizer from %s's metadata (cached afterwards in %s)", gguf_path.name, cache_dir)
-    from transformers import AutoTokenizer
-
     try:
-        hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        hf = _auto_tokenizer(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
             f"{gguf_path}: cannot build a tokenizer from GGUF metadata ({one_line(exc)})"

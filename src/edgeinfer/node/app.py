@@ -32,6 +32,9 @@ from edgeinfer.obs.metrics import EngineGauges, NodeMetrics
 from edgeinfer.pool.manager import ModelPool
 
 logger = logging.getLogger("edgeinfer.node")
+# At shutdown, how long the requests the server cancelled have to close (each awaits its engine's answer to
+# its abort, about one step) before the models and the usage store are closed under them.
+_SETTLE_S = 5.0
 
 
 class _PoolMetrics:
@@ -101,6 +104,7 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
             yield
         finally:
             app.state.ready = False
+            await service.settle(_SETTLE_S)
             checkpoints.cancel()
             if publisher is not None:
                 await publisher.stop()
@@ -116,6 +120,7 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
     app.state.service = service
     app.state.node_config = config
     app.state.ready = False
+    app.state.draining = False  # set by server.NodeServer when asked to stop
     error_handlers.install(app)
     for module in (routes_openai, routes_embeddings, routes_workers_ai, routes_ops):
         app.include_router(module.router)

@@ -44,6 +44,10 @@ class _Choice:
     parser: AnswerParser | None = None  # chat answers: reasoning / content / tool calls
     num_calls: int = 0
 
+    def take_usage(self, usage: Usage) -> None:
+        """The engine's own count, given when the stream closed before its end."""
+        self.usage = usage
+
 
 class LocalBackend(Backend):
     def __init__(self, member: LocalMember, limits: NodeLimits, tenant: Tenant) -> None:
@@ -201,7 +205,8 @@ class LocalBackend(Backend):
         would add two task switches to every token's path through the event loop."""
         if len(self._choices) == 1:
             try:
-                async with contextlib.aclosing(self._engine.generate(self._choices[0].request)) as stream:
+                generation = self._engine.generate(self._choices[0].request, self._choices[0].take_usage)
+                async with contextlib.aclosing(generation) as stream:
                     async for output in stream:
                         yield 0, output
             except Exception as exc:
@@ -220,12 +225,14 @@ class LocalBackend(Backend):
         finally:
             for task in pumps:
                 task.cancel()
+            # each pump's stream learns the engine's final count as it closes: waited for, so it is billed
+            await asyncio.gather(*pumps, return_exceptions=True)
 
     async def _pump(self, index: int, request: EngineRequest, merged: asyncio.Queue[Any]) -> None:
         # The engine never waits on us: it fills the generator's own queue, and this task moves
         # deltas into an unbounded merge queue (bounded in practice by max_tokens).
         try:
-            async for output in self._engine.generate(request):
+            async for output in self._engine.generate(request, self._choices[index].take_usage):
                 merged.put_nowait((index, output))
         except Exception as exc:
             merged.put_nowait((index, exc))
@@ -233,6 +240,8 @@ class LocalBackend(Backend):
     def _deltas(self, job: Job, index: int, out: RequestOutput, outcome: Outcome) -> list[ChoiceDelta]:
         choice = self._choices[index]
         choice.usage = out.usage
+        if choice.finished:  # ended here (a repeated tool call): what the engine made since is billed only
+            return []
         deltas: list[ChoiceDelta] = []
         if job.echo and not choice.echoed and self._echo_ready(job, out):
             choice.echoed = True
@@ -241,10 +250,13 @@ class LocalBackend(Backend):
         if out.new_token_ids:
             self._observe_tokens(choice, out.new_token_ids, now, job, outcome)
         logprobs = self._entries(out.logprobs) if job.logprobs is not None else None
-        finish = self._finish(job, index, out, outcome, now) if out.finished else None
         delta = self._parsed(choice, index, out.text_delta, out.finished)
+        repeated = choice.parser is not None and choice.parser.repeated
+        if repeated and not out.finished:
+            self._engine.abort(choice.request.request_id)  # its final output arrives and is passed over
+        finish = self._finish(job, index, out, outcome, now) if out.finished or repeated else None
         delta.logprobs, delta.finish_reason = logprobs, finish
-        if delta.tool_calls and finish == "stop":
+        if choice.num_calls and (finish == "stop" or repeated):
             delta.finish_reason = "tool_calls"
         if delta.text or delta.reasoning or delta.tool_calls or logprobs or finish:
             deltas.append(delta)
@@ -255,13 +267,12 @@ class LocalBackend(Backend):
         if choice.parser is None:
             return ChoiceDelta(index, text)
         parts = choice.parser.feed(text)
-        if finished:
+        if finished or choice.parser.repeated:
             end = choice.parser.finish()
-            parts = Parts(parts.reasoning + end.reasoning, parts.content + end.content, end.tool_calls)
-        calls = []
-        for call in parts.tool_calls:
-            calls.append({"index": choice.num_calls, **call.as_openai()})
-            choice.num_calls += 1
+            calls = parts.tool_calls + end.tool_calls
+            parts = Parts(parts.reasoning + end.reasoning, parts.content + end.content, calls)
+        calls = parts.tool_calls
+        choice.num_calls += len({item["index"] for item in calls if "id" in item})
         return ChoiceDelta(index, parts.content, reasoning=parts.reasoning, tool_calls=calls or None)
 
     @staticmethod

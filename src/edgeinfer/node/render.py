@@ -10,6 +10,7 @@ from typing import Any
 
 from edgeinfer.node.errors import ApiError
 from edgeinfer.node.jobs import ChoiceDelta, Job, LogprobEntry
+from edgeinfer.structured.call_stream import merge_call_deltas
 from edgeinfer.types import Usage
 
 DONE = b"data: [DONE]\n\n"
@@ -28,7 +29,7 @@ class Collected:
     logprobs: dict[int, list[LogprobEntry]] = field(default_factory=dict)
     finish: dict[int, str] = field(default_factory=dict)
     reasoning: dict[int, list[str]] = field(default_factory=dict)
-    tool_calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    tool_calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # stream delta items
 
     def add(self, delta: ChoiceDelta) -> None:
         self.texts.setdefault(delta.index, []).append(delta.text)
@@ -227,8 +228,8 @@ def _chat_message(collected: Collected, index: int) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": collected.text(index)}
     if index in collected.reasoning:
         message["reasoning_content"] = "".join(collected.reasoning[index])
-    if calls := collected.tool_calls.get(index):
-        message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
+    if calls := merge_call_deltas(collected.tool_calls.get(index, [])):
+        message["tool_calls"] = calls
         message["content"] = message["content"] or None
     return message
 

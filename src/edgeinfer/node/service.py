@@ -206,6 +206,13 @@ class NodeService:
             for run in list(self._live.values()):
                 run.checkpoint()
 
+    async def settle(self, timeout_s: float) -> None:
+        """Until every request in flight has finished (billed, its lease returned), for at most `timeout_s`:
+        at shutdown, the streams the server cancelled close while their engines still answer."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._live and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+
     async def usage(self, tenant: Tenant, start: float | None, end: float | None) -> dict[str, Any]:
         """The tenant's usage per model (everything appended so far is flushed first)."""
         await asyncio.to_thread(self.store.flush)

@@ -18,12 +18,20 @@ from __future__ import annotations
 
 import abc
 import json
-import re
 from collections.abc import Callable
 from typing import Any
 
+from edgeinfer.structured.call_scan import (
+    CallScanner,
+    Glm45Scanner,
+    KimiK2Scanner,
+    TaggedJsonScanner,
+    json_answer_scanner,
+    llama3_scanner,
+)
+from edgeinfer.structured.call_stream import CallStream, merge_call_deltas
 from edgeinfer.structured.grammar import inline_json
-from edgeinfer.structured.tools import NAME_PATTERN, Tool, ToolCall, ToolChoice, dumps
+from edgeinfer.structured.tools import Tool, ToolCall, ToolChoice, dumps
 
 TokenRef = Callable[[str], str]
 
@@ -39,8 +47,28 @@ class ToolFormat(abc.ABC):
     opener: str | None = None
 
     @abc.abstractmethod
+    def scanner(self) -> CallScanner:
+        """A reader of this format's calls as they stream (fed from where the calls begin)."""
+
+    def calls_start(self, text: str) -> int:
+        """Where the calls begin in a whole answer; -1 when it holds none."""
+        if self.opener is not None:
+            return text.find(self.opener)
+        head = text.lstrip()
+        return len(text) - len(head) if head.startswith(("{", "<|python_tag|>")) else -1
+
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """(content outside the calls, calls); text without calls comes back whole as content."""
+        """(content before the calls, complete calls) of a whole answer, read as a stream would read it;
+        text without calls comes back whole as content."""
+        start = self.calls_start(text)
+        if start < 0:
+            return text, []
+        stream = CallStream(self.scanner())
+        calls = merge_call_deltas(stream.feed(text[start:]) + stream.finish())
+        if not calls:
+            return text, []
+        found = [ToolCall(c["function"]["name"], c["function"]["arguments"], id=c["id"]) for c in calls]
+        return text[:start].rstrip(), found
 
     @abc.abstractmethod
     def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool, token: TokenRef) -> str:
@@ -65,27 +93,13 @@ def _any_call_schema(tools: list[Tool], args_key: str) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def _json_call(name: Any, arguments: Any) -> ToolCall | None:
-    if not isinstance(name, str) or not isinstance(arguments, dict | str):
-        return None
-    return ToolCall(name, arguments if isinstance(arguments, str) else dumps(arguments))
-
-
 class JsonFormat(ToolFormat):
     """The answer is `{"tool_calls": [...]}` or plain text; documented in docs/structured-outputs.md."""
 
     name = "json"
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        try:
-            doc = json.loads(text)
-        except ValueError:
-            return text, []
-        items = doc.get("tool_calls") if isinstance(doc, dict) else None
-        calls = [_json_call(i.get("name"), i.get("arguments")) for i in items or [] if isinstance(i, dict)]
-        if not calls or None in calls:
-            return text, []
-        return "", [c for c in calls if c is not None]
+    def scanner(self) -> CallScanner:
+        return json_answer_scanner()
 
     def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool, token: TokenRef) -> str:
         array: dict[str, Any] = {
@@ -106,20 +120,9 @@ class Llama3Format(ToolFormat):
     """Llama 3.1 JSON tool calling: the whole answer is one call object (`<|python_tag|>` optional)."""
 
     name = "llama3"
-    _TAG = "<|python_tag|>"
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        body = text.strip().removeprefix(self._TAG).strip()
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            return text, []
-        call = (
-            _json_call(doc.get("name"), doc.get("parameters", doc.get("arguments")))
-            if isinstance(doc, dict)
-            else None
-        )
-        return ("", [call]) if call is not None else (text, [])
+    def scanner(self) -> CallScanner:
+        return llama3_scanner()
 
     def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool, token: TokenRef) -> str:
         # The format has one call per assistant turn: `parallel` cannot be honoured.
@@ -129,23 +132,9 @@ class Llama3Format(ToolFormat):
 class Qwen3Format(ToolFormat):
     name = "qwen3"
     opener = "<tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        start = text.find(self.opener)
-        if start < 0:
-            return text, []
-        calls = []
-        for body in self._CALL.findall(text, start):
-            try:
-                doc = json.loads(body)
-            except ValueError:
-                return text, []
-            call = _json_call(doc.get("name"), doc.get("arguments")) if isinstance(doc, dict) else None
-            if call is None:
-                return text, []
-            calls.append(call)
-        return (text[:start].rstrip(), calls) if calls else (text, [])
+    def scanner(self) -> CallScanner:
+        return TaggedJsonScanner(self.opener, "</tool_call>")
 
     def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool, token: TokenRef) -> str:
         schema = inline_json(_any_call_schema(self.callable_tools(tools, choice), "arguments"))
@@ -160,21 +149,9 @@ class Glm45Format(ToolFormat):
 
     name = "glm45"
     opener = "<tool_call>"
-    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-    _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        start = text.find(self.opener)
-        if start < 0:
-            return text, []
-        calls = []
-        for body in self._CALL.findall(text, start):
-            name = body.split("<arg_key>", 1)[0].strip()
-            if not NAME_PATTERN.match(name):
-                return text, []
-            args = {k.strip(): _glm_value(v) for k, v in self._ARG.findall(body)}
-            calls.append(ToolCall(name, dumps(args)))
-        return (text[:start].rstrip(), calls) if calls else (text, [])
+    def scanner(self) -> CallScanner:
+        return Glm45Scanner()
 
     def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool, token: TokenRef) -> str:
         callable_ = self.callable_tools(tools, choice)
@@ -206,36 +183,12 @@ def _properties(tool: Tool) -> list[tuple[str, dict[str, Any]]]:
     return [(k, v if isinstance(v, dict) else {}) for k, v in props.items()]
 
 
-def _glm_value(raw: str) -> Any:
-    value = raw.strip()
-    try:
-        return json.loads(value)
-    except ValueError:
-        return raw
-
-
 class KimiK2Format(ToolFormat):
     name = "kimi_k2"
     opener = "<|tool_calls_section_begin|>"
-    _CALL = re.compile(
-        r"<\|tool_call_begin\|>\s*(?P<id>[^<]+?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)<\|tool_call_end\|>",
-        re.DOTALL,
-    )
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        start = text.find(self.opener)
-        if start < 0:
-            return text, []
-        calls = []
-        for match in self._CALL.finditer(text, start):
-            call_id = match["id"]  # `functions.<name>:<index>`, used as the call id as Kimi's own servers do
-            name = call_id.split(".", 1)[-1].rsplit(":", 1)[0]
-            try:
-                json.loads(match["args"])
-            except ValueError:
-                return text, []
-            calls.append(ToolCall(name, match["args"].strip(), id=call_id))
-        return (text[:start].rstrip(), calls) if calls else (text, [])
+    def scanner(self) -> CallScanner:
+        return KimiK2Scanner()
 
     def grammar(self, tools: list[Tool], choice: ToolChoice, parallel: bool, token: TokenRef) -> str:
         callable_ = self.callable_tools(tools, choice)

@@ -2,28 +2,30 @@
 
 Reasoning is a leading `<think>...</think>` block (families in THINKING_FORMATS; the prompt may already
 have opened it). Content streams until a tool-call opener appears (a suffix that could be the start of
-one is held back); from there on the text is buffered and parsed when the answer ends. For the JSON forms
-the answer is a call only if it is one JSON document, so an answer starting with `{` is held whole.
-Text that turns out not to be a call is released as content.
+one is held back); from there on the text is read for calls as it comes (call_stream.py), which stream as
+OpenAI `tool_calls` deltas. For the JSON forms the answer is a call only if it is one JSON document, so an
+answer starting with `{` is read as calls. Text in which no call appears is released as content at the end.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from edgeinfer.structured.call_scan import partial_suffix
+from edgeinfer.structured.call_stream import CallStream
 from edgeinfer.structured.formats import ToolFormat
-from edgeinfer.structured.tools import ToolCall
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 @dataclass
 class Parts:
-    """What one step of text turned into."""
+    """What one step of text turned into; `tool_calls` are OpenAI stream delta items (with `index`)."""
 
     reasoning: str = ""
     content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 class AnswerParser:
@@ -34,8 +36,14 @@ class AnswerParser:
         self._reasoning = reasoning
         self._state = "think" if in_reasoning else ("start" if reasoning else "content")
         self._buffer = ""
-        self._calls_text = ""
+        self._calls_text = ""  # released as content if no call appears in it
+        self._calls = CallStream(tools.scanner()) if tools is not None else None
         self._after_reasoning = False  # whitespace between `</think>` and the content is dropped
+
+    @property
+    def repeated(self) -> bool:
+        """A call repeated an earlier one: the answer should end here (call_stream.py)."""
+        return self._calls is not None and self._calls.repeated
 
     def feed(self, text: str) -> Parts:
         self._buffer += text
@@ -47,7 +55,7 @@ class AnswerParser:
         if self._state == "content":
             parts.content += self._take_content()
         if self._state == "calls":
-            self._calls_text += self._buffer
+            parts.tool_calls = self._read_calls(self._buffer)
             self._buffer = ""
         return parts
 
@@ -59,11 +67,18 @@ class AnswerParser:
         else:
             parts.content = self._buffer
         self._buffer = ""
-        if self._calls_text:
-            assert self._tools is not None
-            content, parts.tool_calls = self._tools.parse(self._calls_text)
-            parts.content += content
+        if self._state == "calls":
+            assert self._calls is not None
+            parts.tool_calls = self._calls.finish()
+            if not self._calls.began:
+                parts.content += self._calls_text
         return parts
+
+    def _read_calls(self, text: str) -> list[dict[str, Any]]:
+        assert self._calls is not None
+        if not self._calls.began:
+            self._calls_text += text
+        return self._calls.feed(text)
 
     def _open_reasoning(self) -> None:
         head = self._buffer.lstrip()
@@ -80,7 +95,7 @@ class AnswerParser:
             self._buffer = self._buffer[end + len(THINK_CLOSE) :]
             self._state, self._after_reasoning = "content", True
             return
-        keep = _partial_suffix(self._buffer, THINK_CLOSE)
+        keep = partial_suffix(self._buffer, THINK_CLOSE)
         parts.reasoning += self._buffer[: len(self._buffer) - keep]
         self._buffer = self._buffer[len(self._buffer) - keep :]
 
@@ -100,7 +115,7 @@ class AnswerParser:
             self._state = "calls"
             return out
         # Held back: a suffix that may begin the opener, and whitespace before it (dropped if a call follows).
-        ready = self._buffer[: len(self._buffer) - _partial_suffix(self._buffer, opener)].rstrip()
+        ready = self._buffer[: len(self._buffer) - partial_suffix(self._buffer, opener)].rstrip()
         out, self._buffer = ready, self._buffer[len(ready) :]
         return out
 
@@ -115,10 +130,3 @@ class AnswerParser:
         out, self._buffer = self._buffer, ""
         return out
 
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
