@@ -18,7 +18,7 @@ import httpx
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.node.app import create_app
 from edgeinfer.node.config import ConnectionLimits, NodeConfig, NodeLimits
-from edgeinfer.node.server import uvicorn_config
+from edgeinfer.node.server import NodeServer, uvicorn_config
 from edgeinfer.node.service import NodeService
 from edgeinfer.pool.loader import EngineLoader
 from edgeinfer.pool.manager import ModelPool
@@ -33,7 +33,7 @@ class LiveServer:
     def __init__(self, app: Any, service: NodeService) -> None:
         self.service = service
         config = uvicorn_config(app, app.state.node_config, "127.0.0.1", 0, log_level="warning")
-        self._thread = UvicornThread(config, "test-node")
+        self._thread = UvicornThread(config, "test-node", NodeServer)
         self.url = ""
 
     def start(self, timeout: float = 60.0) -> LiveServer:
@@ -42,6 +42,17 @@ class LiveServer:
 
     def stop(self) -> None:
         self._thread.stop(30)
+
+    def ask_to_stop(self) -> None:
+        """Start the shutdown (as SIGTERM does) without waiting for it."""
+        self._thread.ask_to_stop()
+
+    def is_serving(self) -> bool:
+        return self._thread.is_alive()
+
+    def requests_in_flight(self) -> int:
+        """Requests the server is running now (from their headers to the end of their answer)."""
+        return len(self._thread.server.server_state.tasks)
 
     def shrink_send_buffers(self, size: int = 4096) -> int:
         """Give every open connection a small kernel send buffer, as a slow network would (loopback's
@@ -89,6 +100,9 @@ class NodeFactory:
         connections: ConnectionLimits | None = None,
         trusted_proxies: tuple[str, ...] = (),
         usage_checkpoint_s: float = 1.0,
+        router_secret: bytes | None = None,
+        node_id: str = "",
+        location: str = "",
         **limits: int,
     ) -> LiveServer:
         specs = [MemberSpec(n, LOCAL, p, (aliases or {}).get(n, ())) for n, p in models.items()]
@@ -108,6 +122,9 @@ class NodeFactory:
             tenants_file=str(tenants_file) if tenants_file else None,
             usage_db=str(self.tmp_path / f"usage-{len(self.servers)}.sqlite"),
             preload=preload,
+            router_secret=router_secret,
+            node_id=node_id,
+            location=location,
         )
         pool = ModelPool(specs, EngineLoader(engine), budget_bytes=budget)
         app = create_app(config, pool)

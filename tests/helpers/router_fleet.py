@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 
 from edgeinfer.node.keys import hash_key
 from edgeinfer.router.app import create_router_app
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.fleet_file import Fleet
+from edgeinfer.router.server import uvicorn_config
 from helpers.uvicorn_thread import UvicornThread
 
 SECRET = b"router-test-secret-0123456789"
@@ -104,7 +104,7 @@ class RouterThread:
 
     def __init__(self, config: RouterConfig, fleet: Fleet) -> None:
         self.app = create_router_app(config, fleet)
-        server_config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning")
+        server_config = uvicorn_config(self.app, "127.0.0.1", 0, log_level="warning")
         self._thread = UvicornThread(server_config, "test-router")
         self.url = ""
 
@@ -127,6 +127,14 @@ class RouterThread:
 
     def stop(self) -> None:
         self._thread.stop(20)
+
+
+def one_node_fleet(node_id: str, url: str, location: str = "FRA") -> Fleet:
+    """A fleet file of one location holding one node (an in-process one: the router polls its status)."""
+    from edgeinfer.router.fleet_file import parse_fleet
+
+    nodes = [{"id": node_id, "url": url}]
+    return parse_fleet({"locations": [{"code": location, "lat": 50.03, "lon": 8.57, "nodes": nodes}]})
 
 
 def write_tenants(workdir: Path) -> Path:

@@ -10,8 +10,10 @@ import uvicorn
 
 
 class UvicornThread:
-    def __init__(self, config: uvicorn.Config, name: str) -> None:
-        self.server = uvicorn.Server(config)
+    def __init__(
+        self, config: uvicorn.Config, name: str, server_class: type[uvicorn.Server] = uvicorn.Server
+    ) -> None:
+        self.server = server_class(config)
         self._thread = threading.Thread(target=self.server.run, name=name, daemon=True)
 
     def start(self, timeout: float) -> str:
@@ -25,5 +27,12 @@ class UvicornThread:
         return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
 
     def stop(self, timeout: float) -> None:
-        self.server.should_exit = True
+        self.ask_to_stop()
         self._thread.join(timeout)
+
+    def ask_to_stop(self) -> None:
+        """What SIGTERM does: the server shuts down (draining first, for a node) in its own thread."""
+        self.server.should_exit = True
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()

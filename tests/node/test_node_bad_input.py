@@ -14,8 +14,8 @@ def _post(node, path: str, **kw) -> httpx.Response:
     ("payload", "status", "needle"),
     [
         ({"model": "nope", "prompt": "x"}, 404, "nope"),
-        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
-        ({"model": "tiny", "prompt": "x", "temperature": "hot"}, 422, "temperature"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ({"model": "tiny", "prompt": "x", "n": 9}, 400, "n × prompts"),
         ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ({"model": "tiny", "prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
@@ -23,7 +23,7 @@ def _post(node, path: str, **kw) -> httpx.Response:
         ({"model": "tiny", "prompt": "x", "max_tokens": 600}, 400, "context length"),
         ({"model": "tiny", "prompt": [999999]}, 400, "vocabulary"),
         ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
-        ({"prompt": "x"}, 422, "model"),
+        ({"prompt": "x"}, 400, "model"),
     ],
 )
 def test_completion_errors(shared_node, payload: dict, status: int, needle: str) -> None:
@@ -55,7 +55,7 @@ def test_chat_rejects_what_it_cannot_honour(shared_node) -> None:
     bad_role = _post(
         shared_node, "/v1/chat/completions", json={**base, "messages": [{"role": "x", "content": "y"}]}
     )
-    assert bad_role.status_code == 422 and bad_role.json()["error"]["param"].startswith("messages")
+    assert bad_role.status_code == 400 and bad_role.json()["error"]["param"].startswith("messages")
 
 
 def test_body_too_large_is_413(node_factory, tiny_llama_dir) -> None:

@@ -48,7 +48,9 @@ def _calls(message: Any) -> list[tuple[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+    "choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
 )
 def test_forced_calls_come_back_as_tool_calls(client: openai.OpenAI, choice: Any) -> None:
     asked = dict(model="gemma", messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=120, temperature=0)

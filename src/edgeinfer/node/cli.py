@@ -253,11 +253,9 @@ def _preload_names(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Start the server and block until it stops (Ctrl-C)."""
-    import uvicorn
-
     from edgeinfer.node.app import create_app
     from edgeinfer.node.files import load_table
-    from edgeinfer.node.server import configure_process, uvicorn_config
+    from edgeinfer.node.server import NodeServer, configure_process, uvicorn_config
     from edgeinfer.pool.loader import EngineLoader
     from edgeinfer.pool.manager import ModelPool
 
@@ -272,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     _configure_access_log(enabled=not args.no_access_log)
     configure_process(config)
     app = create_app(config, pool)
-    uvicorn.Server(uvicorn_config(app, config, args.host, args.port)).run()
+    NodeServer(uvicorn_config(app, config, args.host, args.port)).run()
     return 0
 
 

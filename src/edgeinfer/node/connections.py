@@ -10,25 +10,23 @@ rules are plain uvicorn settings (`node/server.py`).
 from __future__ import annotations
 
 import asyncio
-import json
-import uuid
 from collections import Counter
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
-
 from edgeinfer.node.config import ConnectionLimits
+from edgeinfer.node.parser_errors import JSONErrorsH11Protocol, raw_error
 
 # A scope extension: drops the connection with whatever it has not sent yet. A stream whose reader stalled
 # ends with it, because uvicorn's close() waits to flush that data first, which a stalled reader never allows.
 ABORT_CONNECTION = "edgeinfer.abort_connection"
 
 
-def guarded_protocol(limits: ConnectionLimits, exempt: frozenset[str]) -> type[H11Protocol]:
+def guarded_protocol(limits: ConnectionLimits, exempt: frozenset[str]) -> type[JSONErrorsH11Protocol]:
     """uvicorn's h11 protocol with a header deadline and a per-address connection bound (addresses in
-    `exempt`, the trusted proxies, are not bounded: every routed client arrives through them)."""
+    `exempt`, the trusted proxies, are not bounded: every routed client arrives through them), and
+    parser errors in OpenAI's shape (parser_errors.py)."""
     per_client: Counter[str] = Counter()
 
-    class GuardedH11Protocol(H11Protocol):
+    class GuardedH11Protocol(JSONErrorsH11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
         _counted_as: str | None = None
         _refused = False
@@ -97,15 +95,6 @@ def guarded_protocol(limits: ConnectionLimits, exempt: frozenset[str]) -> type[H
 
 
 def _too_many_connections(limit: int) -> bytes:
-    error = {
-        "message": f"more than {limit} connections from this address",
-        "type": "rate_limit_error",
-        "param": None,
-        "code": "too_many_connections",
-    }
-    body = json.dumps({"error": error}).encode()
-    head = (
-        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        f"retry-after: 1\r\nx-request-id: {uuid.uuid4().hex}\r\ncontent-length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
+    message = f"more than {limit} connections from this address"
+    headers = (("retry-after", "1"),)
+    return raw_error(429, message, type="rate_limit_error", code="too_many_connections", headers=headers)[1]

@@ -71,10 +71,6 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def unprocessable(message: str, param: str | None = None) -> ApiError:
-    return ApiError(422, message, param=param)
-
-
 def unauthorized(message: str) -> ApiError:
     return ApiError(401, message, type="authentication_error", code="invalid_api_key", wai_code=WAI_AUTH)
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
-import uuid
 from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edgeinfer.node.errors import is_workers_ai_path, unexpected
+from edgeinfer.node.request_ids import request_id_of
 from edgeinfer.node.run import STATUS_CLIENT_CLOSED
 from edgeinfer.obs.access_log import log_access
 from edgeinfer.obs.metrics import NodeMetrics
@@ -21,8 +20,6 @@ from edgeinfer.obs.metrics import NodeMetrics
 logger = logging.getLogger("edgeinfer.node")
 
 _INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")
-# A client's (or the router's) own request id is kept when it is this tame; anything else is replaced.
-_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,127}")
 
 
 class NodeMiddleware:
@@ -44,7 +41,7 @@ class NodeMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.monotonic()
-        request_id = _request_id(scope)
+        request_id = request_id_of(scope)
         access: dict[str, Any] = {"request_id": request_id}
         scope.setdefault("state", {})["access"] = access
         status: list[int] = []
@@ -108,16 +105,6 @@ class NodeMiddleware:
                 **{k: v for k, v in access.items() if k != "status"},
             }
         )
-
-
-def _request_id(scope: Scope) -> str:
-    for name, value in scope.get("headers", []):
-        if name == b"x-request-id":
-            text = value.decode("latin-1")
-            if _CLIENT_REQUEST_ID.fullmatch(text):
-                return text
-            break
-    return uuid.uuid4().hex
 
 
 def _content_length(scope: Scope) -> int | None:

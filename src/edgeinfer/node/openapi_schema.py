@@ -16,6 +16,7 @@ from edgeinfer.node.schemas import (
     EmbeddingRequest,
     WorkersAIRunRequest,
 )
+from edgeinfer.types.bounded_json import MAX_JSON_DEPTH
 
 # The request bodies, whose definitions are taken from pydantic again (`_exact_bodies`).
 _BODIES = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, WorkersAIRunRequest)
@@ -50,28 +51,30 @@ class WorkersAIError(BaseModel):
 
 
 _REASONS = {
-    400: "Invalid JSON, or a request the model cannot serve (too long, bad token ids)",
+    400: (
+        f"Invalid JSON (or nested deeper than {MAX_JSON_DEPTH} levels), a field with a wrong type or value "
+        "(`param` names it), or a request the model cannot serve (too long, bad token ids)"
+    ),
     401: "Missing or wrong API key",
     403: "Not signed by a router",
     404: "Unknown model",
     405: "Method not allowed (the Allow header lists the route's methods)",
     408: "The request body did not arrive in time",
     413: "Body or input over a limit (the message names it)",
-    422: "A field with a wrong type or value (the message names it)",
     429: "Rate limit or queue full (Retry-After says when to retry)",
     500: "Internal error (the message names the request id)",
     503: "Model loading or the node not ready (Retry-After)",
 }
 # Every route: the middleware answers 408 / 413 while reading a body and 500 for a bug; the router 405.
 _ANY = (405, 408, 413, 500)
-_MODEL_RUN = (400, 401, 404, 422, 429, 503, *_ANY)
+_MODEL_RUN = (400, 401, 404, 429, 503, *_ANY)
 _STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/completions"): _MODEL_RUN,
     ("post", "/v1/chat/completions"): _MODEL_RUN,
     ("post", "/v1/embeddings"): _MODEL_RUN,
     ("post", "/accounts/{account_id}/ai/run/{model}"): _MODEL_RUN,
     ("get", "/v1/models"): (401, *_ANY),
-    ("get", "/v1/usage"): (401, 422, *_ANY),
+    ("get", "/v1/usage"): (400, 401, *_ANY),
     ("get", "/ready"): (503, *_ANY),
     ("post", "/node/prefetch"): (400, 403, 404, *_ANY),
 }
@@ -138,6 +141,7 @@ def _declare_errors(schema: dict[str, Any]) -> None:
         body = "WorkersAIError" if is_workers_ai_path(path.replace("{account_id}", "a")) else "OpenAIError"
         for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
+            responses.pop("422", None)  # FastAPI's validation error, which is a 400 here (error_handlers.py)
             for status in _STATUSES.get((method, path), _ANY):
                 content = {"application/json": {"schema": {"$ref": _REF.format(model=body)}}}
                 responses[str(status)] = {"description": _REASONS[status], "content": content}

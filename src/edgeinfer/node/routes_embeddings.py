@@ -8,9 +8,10 @@ from fastapi.responses import Response
 from edgeinfer.node.auth import AuthTenant
 from edgeinfer.node.embedding_run import STATUS_CLIENT_CLOSED
 from edgeinfer.node.embeddings import VectorsResponse, openai_body, openai_embedding_job
+from edgeinfer.node.json_body import BoundedJSONRoute
 from edgeinfer.node.schemas import EmbeddingRequest
 
-router = APIRouter()
+router = APIRouter(route_class=BoundedJSONRoute)
 
 
 @router.post("/v1/embeddings", tags=["openai"])

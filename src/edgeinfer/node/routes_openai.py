@@ -9,11 +9,12 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from edgeinfer.node.auth import AuthTenant
+from edgeinfer.node.json_body import BoundedJSONRoute
 from edgeinfer.node.prepare import chat_job, completion_job
 from edgeinfer.node.render import ChatRenderer, CompletionRenderer
 from edgeinfer.node.schemas import ChatCompletionRequest, CompletionRequest
 
-router = APIRouter()
+router = APIRouter(route_class=BoundedJSONRoute)
 _STARTED = int(time.time())
 
 
@@ -63,8 +64,8 @@ async def models(request: Request, _: AuthTenant) -> dict[str, Any]:
 async def usage(
     request: Request,
     tenant: AuthTenant,
-    start: Annotated[float | None, Query(description="unix seconds, inclusive")] = None,
-    end: Annotated[float | None, Query(description="unix seconds, exclusive")] = None,
+    start: Annotated[float | None, Query(description="unix seconds, inclusive", allow_inf_nan=False)] = None,
+    end: Annotated[float | None, Query(description="unix seconds, exclusive", allow_inf_nan=False)] = None,
 ) -> dict[str, Any]:
     """The calling tenant's metered usage per model: requests, input, cached input and output tokens, cost."""
     return await request.app.state.service.usage(tenant, start, end)

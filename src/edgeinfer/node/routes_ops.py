@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 from fastapi import APIRouter, Request
@@ -11,11 +12,12 @@ from fastapi.responses import JSONResponse, Response
 
 from edgeinfer.node.errors import ApiError, bad_request, model_not_found
 from edgeinfer.node.fleet_status import node_status
+from edgeinfer.node.json_body import BoundedJSONRoute
 from edgeinfer.obs.metrics import CONTENT_TYPE
 from edgeinfer.pool.manager import UnknownModelError
 from edgeinfer.types import router_trust
 
-router = APIRouter()
+router = APIRouter(route_class=BoundedJSONRoute)
 
 
 @router.get("/health", tags=["ops"])
@@ -25,13 +27,15 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready", tags=["ops"])
 async def ready(request: Request) -> JSONResponse:
-    """503 until start-up (including --preload) finished, and again while shutting down. `unhealthy`:
-    resident members that cannot serve now (an engine loop that stopped, an upstream whose stats fail)."""
-    is_ready = bool(getattr(request.app.state, "ready", False))
+    """503 until start-up (including --preload) finished, and again from the moment the node is asked to
+    stop (`draining` while requests in flight finish; server.NodeServer). `unhealthy`: resident members
+    that cannot serve now (an engine loop that stopped, an upstream whose stats fail)."""
+    draining = bool(getattr(request.app.state, "draining", False))
+    is_ready = bool(getattr(request.app.state, "ready", False)) and not draining
     pool = request.app.state.service.pool
     resident = sorted(state.name for state in pool.states() if state.state == "resident")
     unhealthy = {name: why for name, m in pool.residents().items() if (why := m.health()) is not None}
-    status = "ready" if is_ready else "starting"
+    status = "draining" if draining else "ready" if is_ready else "starting"
     body = {"status": status, "resident_models": resident, "unhealthy": unhealthy}
     return JSONResponse(body, status_code=200 if is_ready else 503)
 
@@ -64,8 +68,9 @@ async def prefetch(request: Request) -> JSONResponse:
         )
     try:
         body = await request.json()
-    except ValueError:
-        raise bad_request('body must be JSON: {"model": NAME}') from None
+    except ValueError as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise bad_request(f'body must be JSON, {{"model": NAME}}: {reason}') from None
     pool = request.app.state.service.pool
     try:
         name = pool.resolve(str(body.get("model", "")) if isinstance(body, dict) else "")

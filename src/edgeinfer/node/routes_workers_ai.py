@@ -11,12 +11,13 @@ from fastapi.responses import Response
 from edgeinfer.node.auth import AuthTenant
 from edgeinfer.node.embedding_run import STATUS_CLIENT_CLOSED
 from edgeinfer.node.embeddings import VectorsResponse, workers_ai_body, workers_ai_embedding_job
+from edgeinfer.node.json_body import BoundedJSONRoute
 from edgeinfer.node.prepare import check_one_workers_ai_input, workers_ai_job
 from edgeinfer.node.render import WorkersAIRenderer
 from edgeinfer.node.schemas import WorkersAIRunRequest
 from edgeinfer.pool.member import EMBED
 
-router = APIRouter()
+router = APIRouter(route_class=BoundedJSONRoute)
 
 
 @router.post("/accounts/{account_id}/ai/run/{model:path}", tags=["workers-ai"])

@@ -3,7 +3,7 @@
 Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot honour (logit_bias, suffix,
 non-text content parts) are refused with 400 rather than silently dropped. Types are strict
 (`true` is not an integer, `"1"` not a number), and text must be valid Unicode (no lone surrogates, which
-JSON's `\\ud800` escapes can carry): such bodies get 422 before anything else reads them. An integer is
+JSON's `\\ud800` escapes can carry): such bodies get 400 before anything else reads them. An integer is
 what JSON Schema (and so /openapi.json) calls one: a number without a fractional part, `8.0` as well as
 `8` (`Int`).
 """
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from edgeinfer.types.validation import SAMPLING_BOUNDS, InvalidInput
+from edgeinfer.types.validation import SAMPLING_BOUNDS, TOKEN_ID, InvalidInput
 
 
 def _integral(value: Any) -> Any:
@@ -34,7 +34,7 @@ NonNegative = Annotated[int, Field(ge=0), _INTEGRAL]
 
 def _sampling_bound(name: str) -> Any:
     """The bound of sampling field `name` (types/validation.py), in the schema as minimum / maximum and
-    checked with the message SamplingParams gives (a 422 here, before anything else reads the body)."""
+    checked with the message SamplingParams gives (a 400 here, before anything else reads the body)."""
     bound = SAMPLING_BOUNDS[name]
 
     def check(value: Any) -> Any:
@@ -53,6 +53,18 @@ def _bounded_int(name: str) -> Any:
     return Annotated[int, *_sampling_bound(name), _INTEGRAL]
 
 
+def _token_id(field: str) -> Any:
+    """One token id of list field `field`, within TOKEN_ID (checked as the sampling bounds are)."""
+
+    def check(value: int) -> int:
+        if not TOKEN_ID.admits(value):
+            raise InvalidInput(TOKEN_ID.message(f"every id in {field}"), field)
+        return value
+
+    return Annotated[int, Field(json_schema_extra=TOKEN_ID.json_schema()), AfterValidator(check), _INTEGRAL]
+
+
+StopTokenId = _token_id("stop_token_ids")
 MaxTokens = _bounded_int("max_tokens")
 TopK = _bounded_int("top_k")
 Seed = _bounded_int("seed")
@@ -81,16 +93,21 @@ class _RequestBody(_Body):
 
 
 def _has_lone_surrogate(value: Any) -> bool:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(v) for v in value)
+    """Whether any string (key or value) in `value` fails to encode as UTF-8; a walk without recursion,
+    so that no nesting can overflow the stack (types/bounded_json.py bounds that of parsed bodies too)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
     return False
 
 
@@ -117,7 +134,7 @@ class SamplingFields(_RequestBody):
     n: Count = 1
     best_of: Count | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Int] | None = None
+    stop_token_ids: list[StopTokenId] | None = None
     seed: Seed | None = None
     presence_penalty: PresencePenalty | None = None
     frequency_penalty: FrequencyPenalty | None = None

@@ -21,6 +21,7 @@ from edgeinfer.router.breaker import CircuitBreaker
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.fleet_file import Fleet
 from edgeinfer.router.metrics import RouterMetrics
+from edgeinfer.router.middleware import RequestIds
 from edgeinfer.router.placement import PlacementLoop
 from edgeinfer.router.proxy import Forwarder
 from edgeinfer.router.service import RouterService
@@ -91,4 +92,5 @@ def create_router_app(config: RouterConfig, fleet: Fleet) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(status_page.router)
     app.add_middleware(BodyLimit, max_body_bytes=config.limits.max_body_bytes)
+    app.add_middleware(RequestIds)  # the outermost: every answer has an id, errors of BodyLimit's too
     return app

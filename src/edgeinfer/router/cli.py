@@ -77,33 +77,16 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
     )
 
 
-def server_implementation() -> tuple[str, str]:
-    """uvloop and httptools (the `fast` extra) where installed: the router is all event loop and HTTP
-    parsing; otherwise asyncio's loop and h11, which behave the same, only slower."""
-    import importlib.util
-
-    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    return loop, http
-
-
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from edgeinfer.router.app import create_router_app
     from edgeinfer.router.fleet_file import load_fleet
+    from edgeinfer.router.server import server_implementation, uvicorn_config
 
     app = create_router_app(build_config(args), load_fleet(args.fleet))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per forwarded request otherwise
     loop, http = server_implementation()
     logging.getLogger("edgeinfer.router").info("event loop %s, HTTP parser %s", loop, http)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        loop=loop,
-        http=http,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
+    uvicorn.Server(uvicorn_config(app, args.host, args.port)).run()
     return 0

@@ -130,12 +130,15 @@ class Forwarder:
         await self._emulate_one_way(job, job.client_location, entry.location)
         remaining = job.started + self.config.first_byte_timeout_s - time.monotonic()
         client = next(self._clients)
-        request = client.build_request("POST", entry.url + job.path, content=job.body, headers=job.headers)
+        # Latin-1 both ways, as the ASGI server decodes and encodes them: header bytes pass as they came
+        # (httpx's default, ASCII, fails on any other byte a client sent).
+        headers = httpx.Headers(job.headers, encoding="latin-1")
+        request = client.build_request("POST", entry.url + job.path, content=job.body, headers=headers)
         sent = time.monotonic()
         async with asyncio.timeout(max(0.0, remaining)):
             response = await client.send(request, stream=True)
         node_s = time.monotonic() - sent
-        headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = _relayed_headers(response)
         if response.status_code == 429 or response.status_code >= 500:
             body = await response.aread()
             await response.aclose()
@@ -161,6 +164,18 @@ class Forwarder:
             delay = self.state.fleet.rtt(a, b) / 2
             await asyncio.sleep(delay)
             job.emulated_s += delay
+
+
+def _relayed_headers(response: httpx.Response) -> dict[str, str]:
+    """The node's headers for the client (repeated ones joined, as httpx joins them), decoded as Latin-1,
+    which Starlette encodes them with again, so that their bytes pass unchanged; httpx's own decoding may
+    read them as UTF-8, which Latin-1 then cannot encode."""
+    headers: dict[str, str] = {}
+    for raw_name, raw_value in response.headers.raw:
+        name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
+        if name not in HOP_BY_HOP:
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    return headers
 
 
 class RelayResponse(StreamingResponse):

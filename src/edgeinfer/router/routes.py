@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from edgeinfer.node.embeddings import openai_embedding_job, workers_ai_embedding_job
+from edgeinfer.node.json_body import BoundedJSONRoute
 from edgeinfer.node.prepare import chat_job, check_one_workers_ai_input, completion_job, workers_ai_job
 from edgeinfer.node.schemas import (
     ChatCompletionRequest,
@@ -21,7 +22,7 @@ from edgeinfer.node.schemas import (
 from edgeinfer.node.tenants import Tenant
 from edgeinfer.obs.metrics import CONTENT_TYPE
 
-router = APIRouter()
+router = APIRouter(route_class=BoundedJSONRoute)
 _bearer = HTTPBearer(auto_error=False, description="API key from the fleet's tenants file")
 _STARTED = int(time.time())
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import llguidance
 
+from edgeinfer.types import bounded_json
+
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Any JSON object: what `{"type": "json_object"}` asks for.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -28,8 +30,18 @@ def json_schema_grammar(schema: Any) -> str:
     """The grammar of JSON documents valid under `schema` (a dict, or True for any JSON value)."""
     if not isinstance(schema, dict | bool):
         raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    if schema is False:
+        raise GrammarError("the JSON schema false admits no document")
+    if schema is True:
+        schema = {}  # the same: any JSON value (llguidance takes object schemas only)
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        # As text: llguidance's parser bounds the nesting (an error), where converting a dict recurses
+        # natively, which a deep enough schema overflows.
+        text = json.dumps(schema)
+    except (TypeError, ValueError, RecursionError):
+        raise GrammarError("invalid JSON schema: not JSON, or nested too deeply") from None
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
     except ValueError as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from None
     return checked(grammar, "JSON schema")
@@ -75,12 +87,18 @@ def response_format_grammar(response_format: Any) -> str | None:
 def _schema_of(spec: Any) -> Any:
     if isinstance(spec, str):  # some clients send the schema as JSON text
         try:
-            spec = json.loads(spec)
+            spec = bounded_json.loads(spec)
         except ValueError as exc:
             raise GrammarError(f"json_schema is not valid JSON: {exc}") from None
     if not isinstance(spec, dict):
         raise GrammarError("response_format.json_schema must be an object")
-    if isinstance(spec.get("schema"), dict | bool):
+    if "schema" in spec:
+        # OpenAI's nesting: the schema is this field. Anything but a schema (an object, or true / false)
+        # is an error; read as the Workers-AI spelling instead, it would be unknown keywords that
+        # constrain nothing.
+        if not isinstance(spec["schema"], dict | bool):
+            kind = "null" if spec["schema"] is None else type(spec["schema"]).__name__
+            raise GrammarError(f"json_schema.schema must be a JSON schema (an object or true), got {kind}")
         return spec["schema"]
     if set(spec) <= {"name", "description", "strict"}:
         return ANY_OBJECT  # OpenAI's json_schema without a schema: any JSON object

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edgeinfer.types.validation import MAX_SEED, SAMPLING_BOUNDS, InvalidInput
+from edgeinfer.types.validation import MAX_SEED, SAMPLING_BOUNDS, TOKEN_ID, InvalidInput
 
 
 @dataclass
@@ -56,8 +56,8 @@ class SamplingParams:
         stops_ok = all(isinstance(s, str) and s for s in self.stop)
         _check(stops_ok, "stop must be a list of non-empty strings", "stop")
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids must be ints >= 0",
+            all(TOKEN_ID.admits(t) for t in self.stop_token_ids),
+            TOKEN_ID.message("every id in stop_token_ids"),
             "stop_token_ids",
         )
 

@@ -16,6 +16,9 @@ from typing import Any
 MAX_LOGPROBS = 20
 MAX_TOP_K = 2**31 - 1  # any k at or above the vocabulary size keeps every token
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit (what torch.Generator.manual_seed takes)
+# The largest token id a request may name (stop_token_ids): no vocabulary comes near it, and it keeps every
+# id a 32-bit integer wherever it is stored. Ids inside it but outside a model's vocabulary never match.
+MAX_TOKEN_ID = 2**31 - 1
 
 
 class InvalidInput(ValueError):
@@ -72,6 +75,10 @@ SAMPLING_BOUNDS: dict[str, Bound] = {
     "logprobs": Bound(0, MAX_LOGPROBS, integer=True),
     "prompt_logprobs": Bound(0, MAX_LOGPROBS, integer=True),
 }
+
+
+# Each id of stop_token_ids.
+TOKEN_ID = Bound(0, MAX_TOKEN_ID, integer=True)
 
 
 def _num(x: float) -> str:
