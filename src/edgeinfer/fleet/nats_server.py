@@ -21,12 +21,15 @@ def nats_server_binary() -> str:
     return found
 
 
+def nats_args(port: int) -> list[str]:
+    """The command line of a NATS server on loopback:`port`."""
+    return [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]
+
+
 def start_nats(port: int, log_path: Path, timeout: float = 10.0) -> subprocess.Popen[bytes]:
     """Start a NATS server on loopback:`port` and wait until it accepts connections."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
-        )
+        proc = subprocess.Popen(nats_args(port), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -1,6 +1,8 @@
 """`edgeinfer fleet up`: a whole fleet on loopback — NATS, one node and one router per location.
 
-Every process is a child of this one; Ctrl-C (or SIGTERM) stops routers, then nodes, then NATS.
+Every process is a child of this one. One that exits once the fleet is up is restarted on its port, with a
+backoff, and left down if it keeps exiting (`Fleet.check`); Ctrl-C (or SIGTERM) stops routers, then nodes,
+then NATS.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from edgeinfer.fleet.nats_server import start_nats
+from edgeinfer.fleet.nats_server import nats_args, start_nats
 
 # Edge sites to draw from, in this order (coordinates of the airports).
 SITES: tuple[tuple[str, float, float], ...] = (
@@ -72,16 +75,46 @@ def budgets(value: str | None, count: int) -> list[str | None]:
 
 # Seconds the fleet's processes have, together, to exit after SIGTERM (a node finishes its streams).
 STOP_TIMEOUT_S = 30.0
+# A process that exits once the fleet is up is started again with the same arguments (and so the same port)
+# after a backoff that doubles with each restart in the window, from RESTART_BACKOFF_S up to
+# RESTART_BACKOFF_MAX_S. One that needs more than MAX_RESTARTS restarts in RESTART_WINDOW_S is crash-looping:
+# it is left down and reported, and the rest of the fleet serves on without it, as a fleet does around a
+# failed machine (stopping everything would turn one bad process into an outage).
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 600.0
+NATS = "nats"
+
+
+@dataclass
+class _Member:
+    """What restarting a process needs: its arguments, and when it was last restarted."""
+
+    args: list[str]
+    restarts: deque[float] = field(default_factory=deque)
+    due: float | None = None  # when a pending restart starts it again
+    down: bool = False  # given up on
 
 
 class Fleet:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._members: dict[str, _Member] = {}
 
     def spawn(self, name: str, args: list[str]) -> None:
-        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - the child keeps writing to it
-        self.procs.append((name, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)))
+        self.adopt(name, self._start(name, args, "wb"), args)
+
+    def adopt(self, name: str, proc: subprocess.Popen[bytes], args: list[str]) -> None:
+        """Supervise a process started elsewhere (NATS, started by `start_nats`), restarted with `args`."""
+        self.procs.append((name, proc))
+        self._members[name] = _Member(args)
+
+    def _start(self, name: str, args: list[str], mode: str) -> subprocess.Popen[bytes]:
+        # A restart appends, so the log keeps what the process said before it exited.
+        with open(self.workdir / f"{name}.log", mode) as log:
+            return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, urls: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -96,15 +129,62 @@ class Fleet:
                 raise RuntimeError(f"not ready after {timeout:.0f} s: {', '.join(pending)}")
             time.sleep(0.2)
 
+    def supervise(self) -> None:
+        """Restart what exits, until Ctrl-C or SIGTERM (KeyboardInterrupt)."""
+        while True:
+            self.check(time.monotonic())
+            time.sleep(0.2)
+
+    def check(self, now: float) -> None:
+        """Report each process that has exited and schedule its restart; start those that are due."""
+        for index, (name, proc) in enumerate(self.procs):
+            member = self._members[name]
+            if member.down:
+                continue
+            if member.due is not None:
+                if now >= member.due:
+                    self._restart(index, name, member, now)
+                continue
+            code = proc.poll()
+            if code is not None:
+                self._exited(name, code, member, now)
+
+    def _exited(self, name: str, code: int, member: _Member, now: float) -> None:
+        while member.restarts and member.restarts[0] <= now - RESTART_WINDOW_S:
+            member.restarts.popleft()
+        if len(member.restarts) >= MAX_RESTARTS:
+            member.down = True
+            print(
+                f"{name} exited with code {_describe(code)} after {MAX_RESTARTS} restarts within "
+                f"{RESTART_WINDOW_S:.0f} s; leaving it down (log: {self.workdir / f'{name}.log'})",
+                file=sys.stderr,
+            )
+            return
+        delay = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** len(member.restarts))
+        member.due = now + delay
+        print(f"{name} exited with code {_describe(code)}; restarting it in {delay:g} s", file=sys.stderr)
+
+    def _restart(self, index: int, name: str, member: _Member, now: float) -> None:
+        member.due = None
+        member.restarts.append(now)
+        self.procs[index] = (name, self._start(name, member.args, "ab"))
+
     def stop(self) -> None:
-        """Routers first (they were started last), so no request is sent to a node that is going. One
-        deadline for all of them, not one each: a process that has not exited by then is killed, and
-        named, so that Ctrl-C never waits on a stuck process once per process."""
-        for _, proc in reversed(self.procs):
+        """Routers first (they were started last), so no request is sent to a node that is going, and NATS
+        last, so that nothing loses its connection to it while stopping. One deadline for all of them, not
+        one each: a process that has not exited by then is killed, and named, so that Ctrl-C never waits on a
+        stuck process once per process."""
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        members = list(reversed(self.procs))
+        self._stop([m for m in members if m[0] != NATS], deadline)
+        self._stop([m for m in members if m[0] == NATS], deadline)
+
+    @staticmethod
+    def _stop(procs: list[tuple[str, subprocess.Popen[bytes]]], deadline: float) -> None:
+        for _, proc in procs:
             if proc.poll() is None:
                 proc.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for name, proc in reversed(self.procs):
+        for name, proc in procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -113,15 +193,25 @@ class Fleet:
                 proc.wait(10)
 
 
+def _describe(code: int) -> str:
+    """An exit code, with the signal's name where a signal ended the process (Popen gives -N)."""
+    if code >= 0:
+        return str(code)
+    try:
+        return f"{code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return str(code)
+
+
 def run_fleet(
     count: int, node_args: list[str], memory_budget: str | None, emulate_rtt: bool, workdir: Path
 ) -> int:
     layout = plan(count)
     (workdir / "fleet.toml").write_text(layout.fleet_toml())
     (workdir / "router-secret").write_text(secrets.token_hex(32))
-    nats = start_nats(layout.nats_port, workdir / "nats.log")
-    nats_url = f"nats://127.0.0.1:{layout.nats_port}"
     fleet = Fleet(workdir)
+    fleet.adopt(NATS, start_nats(layout.nats_port, workdir / "nats.log"), nats_args(layout.nats_port))
+    nats_url = f"nats://127.0.0.1:{layout.nats_port}"
     py = [sys.executable, "-m"]
     common = ["--nats-url", nats_url, "--router-secret-file", str(workdir / "router-secret")]
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -156,17 +246,12 @@ def run_fleet(
             fleet.spawn(f"router-{code}", args)
         fleet.wait_ready([f"http://127.0.0.1:{p}" for p in layout.router_ports], timeout=60)
         _print_urls(layout, nats_url, workdir)
-        while all(proc.poll() is None for _, proc in fleet.procs):
-            time.sleep(0.5)
-        print("a fleet process exited; stopping the fleet", file=sys.stderr)
-        return 1
+        fleet.supervise()
     except KeyboardInterrupt:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
         fleet.stop()
-        nats.terminate()
-        nats.wait(10)
         print("fleet stopped", file=sys.stderr)
 
 
