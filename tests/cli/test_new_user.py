@@ -118,6 +118,8 @@ def _commands(m: Models) -> dict[str, list[str]]:
     commands["compress missing model"] = ["compress", missing, str(m.out / "never")]
     commands["embed missing model"] = ["embed", "--model", missing, "--text", "hi"]
     commands["eval bad quantization"] = ["eval", "--model", m.llama, *bad]
+    commands["serve missing model"] = ["serve", "--model", f"x={missing}", "--port", "1"]
+    commands["serve bad quantization"] = ["serve", "--model", f"x={m.llama}", *bad, "--port", "1"]
     return commands
 
 
@@ -232,6 +234,8 @@ def test_eval_prints_perplexity_against_the_baseline(runs: Runs) -> None:
         ("compress missing model", "no such file or directory"),
         ("embed missing model", "not an embedding model"),
         ("eval bad quantization", "unknown quantization method 'int3'"),
+        ("serve missing model", "no such file or directory"),
+        ("serve bad quantization", "unknown quantization method 'int3'"),
     ],
 )
 def test_a_mistake_is_one_line_and_a_nonzero_exit(runs: Runs, command: str, says: str) -> None:

@@ -260,11 +260,11 @@ def run(args: argparse.Namespace) -> int:
     from edgeinfer.pool.manager import ModelPool
 
     config = build_config(args)
+    specs = build_specs(args)
+    _check_local_models(specs, args.quantization)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     public = parse_public_prefixes(load_table(args.public_prefixes)) if args.public_prefixes else {}
-    pool = ModelPool(
-        build_specs(args), EngineLoader(engine_config(args), public_prefixes=public), budget_bytes=budget
-    )
+    pool = ModelPool(specs, EngineLoader(engine_config(args), public_prefixes=public), budget_bytes=budget)
     for name in config.preload:
         pool.resolve(name)  # an unknown --preload name fails here, in one line, before anything loads
     _configure_access_log(enabled=not args.no_access_log)
@@ -272,6 +272,19 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(config, pool)
     NodeServer(uvicorn_config(app, config, args.host, args.port)).run()
     return 0
+
+
+def _check_local_models(specs: list[MemberSpec], quantization: str | None) -> None:
+    """What a first request would find wrong, found before the server listens: a local model that is not
+    there and a weight method that does not exist are one-line errors at start, not a 500 per request."""
+    from edgeinfer.engine.loading import parse_quantization
+    from edgeinfer.engine.model.loader.opener import checkpoint_location
+
+    if quantization:
+        parse_quantization(quantization)
+    for spec in specs:
+        if spec.kind == LOCAL and not checkpoint_location(spec.target).exists():
+            raise ValueError(f"--model {spec.name}: {spec.target}: no such file or directory")
 
 
 def _configure_access_log(enabled: bool) -> None:
