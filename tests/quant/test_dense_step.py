@@ -23,8 +23,16 @@ MAX_TOKENS = 12
 
 def _engine(model: str, **overrides) -> LLMEngine:
     # no prefix cache: a second run's prompts would hit the first's blocks and prefill their rest in
-    # fewer rows, which may cross from torch's GEMM to the kernel (sums in another order)
-    config = EngineConfig(model=model, dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
+    # fewer rows, which may cross from torch's GEMM to the kernel (sums in another order); no step-time
+    # budget, which cuts prefills by measured speed (on a busy machine, differently in each run)
+    config = EngineConfig(
+        model=model,
+        dtype="bfloat16",
+        num_kv_blocks=64,
+        enable_prefix_caching=False,
+        max_step_ms=None,
+        shared_step_ms=None,
+    )
     return LLMEngine(dataclasses.replace(config, **overrides))
 
 

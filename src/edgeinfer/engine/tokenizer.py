@@ -160,8 +160,22 @@ def _auto_tokenizer(*args: Any, **kwargs: Any) -> PreTrainedTokenizerBase:
 def _load_pretrained(directory: Path) -> PreTrainedTokenizerBase:
     try:
         return _auto_tokenizer(str(directory))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        # AutoTokenizer reads config.json to pick a class, and fails on a model type transformers does not
+        # know (Kimi K2's `kimi_k2`); a fast tokenizer's own files need no class of the model's
+        if not (directory / "tokenizer.json").is_file():
+            raise CheckpointError(f"{directory}: cannot load tokenizer ({one_line(exc)})") from exc
+    try:
+        return _fast_tokenizer(str(directory))
     except (OSError, ValueError, TypeError) as exc:
         raise CheckpointError(f"{directory}: cannot load tokenizer ({one_line(exc)})") from exc
+
+
+def _fast_tokenizer(directory: str) -> PreTrainedTokenizerBase:
+    with _TRANSFORMERS:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(directory)
 
 
 def _gguf_tokenizer(gguf_path: Path, cache_dir: Path) -> PreTrainedTokenizerBase | DirectTokenizer:

@@ -70,7 +70,9 @@ class LatentAttention(ABC):
         backend.storage.write(layer, meta.slot_mapping, latent.unsqueeze(1), None)
         out = q_nope.new_empty(q_nope.shape[0], shape.num_heads, shape.v_dim)
         nd = meta.num_decodes
-        if nd:
+        if nd and self.takes_kernel(backend, q_nope, kv_b):
+            out[:nd] = _kernel_decode(backend, layer, q_nope[:nd], q_pe[:nd], kv_b, scale)
+        elif nd:
             cache, mask = _decode_context(backend, layer, meta)
             out[:nd] = self.decode(shape, q_nope[:nd], q_pe[:nd], cache, mask, kv_b, scale)
         for i in range(nd, meta.num_seqs):
@@ -80,6 +82,11 @@ class LatentAttention(ABC):
                 backend, layer, i, shape, q_nope[rows], q_pe[rows], latent[rows], kv_b, scale
             )
         return out
+
+    def takes_kernel(self, backend: AttentionBackend, q: torch.Tensor, kv_b: torch.Tensor) -> bool:
+        """Whether the decodes run through our `mla_decode` (absorb mode, with the backend's decode ops on
+        and a plain bf16 cache); the fused decode step (model/fused_decode.py) calls it too."""
+        return False
 
     @abstractmethod
     def decode(
@@ -97,6 +104,15 @@ class LatentAttention(ABC):
 
 class AbsorbLatentAttention(LatentAttention):
     name = "absorb"
+
+    def takes_kernel(self, backend: AttentionBackend, q: torch.Tensor, kv_b: torch.Tensor) -> bool:
+        return (
+            backend.decode_ops
+            and q.dtype == kv_b.dtype == torch.bfloat16
+            and backend.storage.lossless
+            and kv_b.is_contiguous()
+            and not torch.compiler.is_compiling()
+        )
 
     def decode(self, shape, q_nope, q_pe, cache, mask, kv_b, scale):
         w = kv_b.view(shape.num_heads, shape.nope_dim + shape.v_dim, shape.kv_lora_rank)
@@ -135,6 +151,24 @@ def _expand(
     k_nope, v = kv.split([shape.nope_dim, shape.v_dim], dim=-1)
     k_pe = latent[..., shape.kv_lora_rank :].unsqueeze(-2).expand(*k_nope.shape[:-1], shape.rope_dim)
     return torch.cat((k_nope, k_pe), dim=-1), v
+
+
+def _kernel_decode(
+    backend: AttentionBackend,
+    layer: int,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_b: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The absorbed decode through our kernel, over the latents where they lie in their blocks."""
+    meta = backend.meta
+    assert meta is not None
+    if "decode_ctx" not in meta.cache:
+        meta.cache["decode_ctx"] = meta.decode_context_lens(q_nope.device)
+    tables, ctx = meta.block_tables[: meta.num_decodes], meta.cache["decode_ctx"]
+    pool = backend.storage.k[layer].data
+    return torch.ops.edgeinfer_cpu.mla_decode(q_nope, q_pe, pool, kv_b, tables, ctx, scale)
 
 
 def _decode_context(

@@ -1,4 +1,4 @@
-"""A decode step of a dense model through our one-call C++ step (quant/kernels/dense_step.cpp).
+"""A decode step of a dense or MoE (GQA) model through our one-call C++ step (quant/kernels/dense_step.cpp).
 
 With the decode ops on (kernels.decode), a decode step already runs each small norm, rotation, product
 and attention as one kernel call; what is left is calling ~15 of them a layer from Python, through the
@@ -10,9 +10,10 @@ torch's GEMMs take most of the step. Steps that prefill keep the eager path.
 
 It runs what the eager path runs (our kernels where it takes them, the same ATen ops where it does not),
 in the same order, so its hidden states equal the eager path's bit for bit
-(tests/quant/test_dense_step.py). Models or layers it does not cover (MoE, MLA, softcapped attention,
-int8 or fp8 weights, a quantized KV cache) keep the eager path: `fused_dense_decode` returns None for
-them.
+(tests/quant/test_dense_step.py). A sparse MoE layer runs the same C++ block its eager forward calls
+(SparseMoeBlock.kernel_block, moe_block.cpp), and latent attention (MLA) the same `mla_decode` its eager
+absorbed decode calls. Models or layers it does not cover (softcapped attention, MLA's expand mode, int8
+or fp8 weights, a quantized KV cache) keep the eager path: `fused_decode` returns None for them.
 """
 
 from __future__ import annotations
@@ -23,25 +24,32 @@ import torch
 from torch import nn
 
 from edgeinfer.engine.attention.metadata import AttentionMetadata
+from edgeinfer.engine.attention.mla import AbsorbLatentAttention
 from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.model.dense import DecoderLayer, DenseCausalLM
+from edgeinfer.engine.model.kernel_forms import Form, linear_form, prefixed
+from edgeinfer.engine.model.layers.attention import SelfAttention
 from edgeinfer.engine.model.layers.kernel_ops import MAX_ELEMENTS
+from edgeinfer.engine.model.layers.mlp import ACT_CODES
 from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
-from edgeinfer.engine.quant.kernels.bf16 import GEMV_ROWS, GemvLinear
-from edgeinfer.engine.quant.layers import QuantLinear
+from edgeinfer.engine.model.mla import MultiLatentAttention
+from edgeinfer.engine.model.moe import SparseMoeBlock
+from edgeinfer.engine.model.moe_lm import MoeCausalLM, MoeDecoderLayer
+from edgeinfer.engine.quant.kernels.bf16 import GEMV_ROWS
 
 
-class FusedDenseDecode:
+class FusedDecode:
     """`model(ids, positions, backend)` for a step in which every sequence decodes one token."""
 
-    def __init__(self, model: DenseCausalLM, step: Any, ropes: list[RotaryEmbedding]) -> None:
+    def __init__(self, model: DenseCausalLM | MoeCausalLM, step: Any, ropes: list[RotaryEmbedding]) -> None:
         self.model = model
         self.step = step
         self.ropes = ropes
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed(ids)
+        model = self.model
+        x = model.embed(ids) if isinstance(model, DenseCausalLM) else model.model.embed_tokens(ids)
         tables = [rope.tables(positions, x.dtype) for rope in self.ropes]
         cos, sin = [c for c, _ in tables], [s for _, s in tables]
         blocks, ctx = meta.block_tables[: meta.num_seqs], meta.decode_context_lens(x.device)
@@ -49,12 +57,15 @@ class FusedDenseDecode:
         return self.model.model.norm(x)
 
 
-def fused_dense_decode(model: nn.Module, storage: KVCacheStorage) -> FusedDenseDecode | None:
+def fused_decode(model: nn.Module, storage: KVCacheStorage) -> FusedDecode | None:
     """The fused step for `model` over `storage`, or None where some layer needs the eager path. Call
     after the decode ops are on (`use_decode_ops`): it takes only layers that would run on them."""
-    if not isinstance(model, DenseCausalLM) or not _plain_bf16_cache(storage):
+    if not _plain_bf16_cache(storage) or not _norm_ok(model.model.norm):
         return None
-    if model.args.attn_softcap is not None or not _norm_ok(model.model.norm):
+    if isinstance(model, DenseCausalLM):
+        if model.args.attn_softcap is not None:
+            return None
+    elif not isinstance(model, MoeCausalLM):
         return None
     ropes: list[RotaryEmbedding] = []
     layers = []
@@ -65,76 +76,116 @@ def fused_dense_decode(model: nn.Module, storage: KVCacheStorage) -> FusedDenseD
         layers.append(described)
     # where the eager path hands products to torch's GEMM and small ops to torch's kernels
     step = torch.classes.edgeinfer_cpu.DenseDecodeStep(GEMV_ROWS, MAX_ELEMENTS)
-    for tensors, numbers in layers:
-        step.add_layer(tensors, numbers)
-    return FusedDenseDecode(model, step, ropes)
+    for layer, (tensors, numbers) in zip(model.model.layers, layers, strict=True):
+        if isinstance(layer.mlp, SparseMoeBlock):
+            step.add_moe_layer(tensors, numbers, layer.mlp.kernel_block)
+        else:
+            step.add_layer(tensors, numbers)
+    return FusedDecode(model, step, ropes)
 
 
 def _plain_bf16_cache(storage: KVCacheStorage) -> bool:
-    return (
-        storage.lossless
-        and storage.dtype == torch.bfloat16
-        and all(v is not None and v.data.dtype == torch.bfloat16 for v in storage.v)
-    )
+    pools = [p for p in (*storage.k, *storage.v) if p is not None]
+    bf16 = storage.dtype == torch.bfloat16 and all(p.data.dtype == torch.bfloat16 for p in pools)
+    return storage.lossless and bf16
 
 
 def _describe(
-    layer: DecoderLayer, storage: KVCacheStorage, index: int, ropes: list[RotaryEmbedding]
-) -> tuple[dict[str, torch.Tensor], dict[str, float]] | None:
-    """One layer as `DenseDecodeStep.add_layer` takes it, or None if any part is outside the kernels."""
-    attn, mlp, shape = layer.self_attn, layer.mlp, layer.self_attn.shape
-    rope = attn.rope
+    layer: DecoderLayer | MoeDecoderLayer, storage: KVCacheStorage, index: int, ropes: list[RotaryEmbedding]
+) -> Form | None:
+    """One layer as `DenseDecodeStep.add_layer` (or `add_moe_layer`, with its MoE block) takes it, or None
+    if any part is outside the kernels."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(attn, MultiLatentAttention):
+        attention = _latent(attn, storage, index)
+    else:
+        attention = _gqa(attn, storage, index)
     norms = {"input_norm": layer.input_layernorm, "post_attention_norm": layer.post_attention_layernorm}
-    if layer.sandwich:
+    if getattr(layer, "sandwich", False):
         norms |= {
             "pre_feedforward_norm": layer.pre_feedforward_layernorm,
             "post_feedforward_norm": layer.post_feedforward_layernorm,
         }
-    if shape.qk_norm:
-        norms |= {"q_norm": attn.q_norm, "k_norm": attn.k_norm}
-    linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
-    if not (rope.kernel and mlp.act_code is not None and shape.softcap is None):
+    linears: dict[str, nn.Module] = {}
+    if isinstance(mlp, SparseMoeBlock):
+        act = ACT_CODES.get(mlp.spec.act) if mlp.kernel_block is not None else None
+    else:
+        linears = {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+        act = mlp.act_code
+    rope = attn.rope
+    if attention is None or act is None or not rope.kernel:
         return None
-    if not all(_norm_ok(n) for n in norms.values()):
+    parts = _parts(norms, linears)
+    if parts is None:
         return None
-    tensors: dict[str, torch.Tensor] = {"k_pool": storage.k[index].data, "v_pool": storage.v[index].data}
-    numbers: dict[str, float] = {}
-    for name, norm in norms.items():
-        tensors[name] = norm.kernel_weight()
-        numbers |= {f"{name}.eps": norm.eps, f"{name}.round_first": float(not norm.unit_offset)}
-    for name, linear in linears.items():
-        described = _linear(linear)
-        if described is None:
-            return None
-        tensors |= {f"{name}.{k}": t for k, t in described[0].items()}
-        numbers |= {f"{name}.{k}": v for k, v in described[1].items()}
     if rope not in ropes:
         ropes.append(rope)
-    numbers |= {
+    more = {"rope": ropes.index(rope), "rotary_dim": rope.rotary_dim, "interleaved": float(rope.interleaved)}
+    return attention[0] | parts[0], attention[1] | parts[1] | more | {"act": act}
+
+
+def _gqa(attn: SelfAttention, storage: KVCacheStorage, index: int) -> Form | None:
+    shape = attn.shape
+    if shape.softcap is not None:
+        return None
+    norms = {"q_norm": attn.q_norm, "k_norm": attn.k_norm} if shape.qk_norm else {}
+    parts = _parts(norms, {"qkv": attn.qkv_proj, "o": attn.o_proj})
+    if parts is None:
+        return None
+    tensors = {"k_pool": storage.k[index].data, "v_pool": storage.v[index].data}
+    numbers = {
         "heads": shape.num_heads,
         "kv_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim,
-        "rope": ropes.index(rope),
-        "rotary_dim": rope.rotary_dim,
-        "interleaved": float(rope.interleaved),
         "scale": attn.scale,
         "window": shape.window or 0,
-        "act": mlp.act_code,
     }
+    return parts[0] | tensors, parts[1] | numbers
+
+
+def _latent(attn: MultiLatentAttention, storage: KVCacheStorage, index: int) -> Form | None:
+    """MLA in its absorbed decode, where the eager path takes our `mla_decode` too."""
+    s, kv_b = attn.shape, attn.kv_b_proj.weight
+    if not isinstance(attn.impl, AbsorbLatentAttention) or kv_b.dtype != torch.bfloat16:
+        return None
+    if s.q_lora_rank is None:
+        norms, linears = {}, {"q": attn.q_proj}
+    else:
+        norms, linears = {"q_a_norm": attn.q_a_layernorm}, {"q_a": attn.q_a_proj, "q_b": attn.q_b_proj}
+    norms["kv_a_norm"] = attn.kv_a_layernorm
+    parts = _parts(norms, linears | {"kv_a": attn.kv_a_proj_with_mqa, "o": attn.o_proj})
+    if parts is None:
+        return None
+    tensors = {"kv_b": kv_b.detach(), "latent_pool": storage.k[index].data}
+    numbers = {
+        "mla": 1.0,
+        "heads": s.num_heads,
+        "nope": s.nope_dim,
+        "v_dim": s.v_dim,
+        "rank": s.kv_lora_rank,
+        "scale": s.scale,
+    }
+    return parts[0] | tensors, parts[1] | numbers
+
+
+def _parts(norms: dict[str, nn.Module], linears: dict[str, nn.Module]) -> Form | None:
+    """Norms and linears by name, or None where one of them is outside the kernels."""
+    tensors: dict[str, torch.Tensor] = {}
+    numbers: dict[str, float] = {}
+    for name, norm in norms.items():
+        if not _norm_ok(norm):
+            return None
+        tensors[name] = norm.kernel_weight()
+        numbers |= {f"{name}.eps": norm.eps, f"{name}.round_first": float(not norm.unit_offset)}
+    for name, linear in linears.items():
+        described = linear_form(linear)
+        if described is None:
+            return None
+        more_tensors, more_numbers = prefixed(name, described)
+        tensors |= more_tensors
+        numbers |= more_numbers
     return tensors, numbers
 
 
 def _norm_ok(norm: nn.Module) -> bool:
     return isinstance(norm, RMSNorm) and norm.takes_kernel_weight() and norm.kernel
-
-
-def _linear(linear: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, float]] | None:
-    """A linear as `bf16_gemv` or `int4_gemv` multiplies it one row at a time, as its forward would."""
-    bias = {"bias": linear.bias} if getattr(linear, "bias", None) is not None else {}
-    if isinstance(linear, GemvLinear) and linear.weight.dtype == torch.bfloat16:
-        return {"weight": linear.weight.detach()} | bias, {}
-    if isinstance(linear, QuantLinear) and linear.kernel == "cpu_w4a8":
-        t = linear.prepared().tensors
-        names = ("codes", "scales", "zero_terms")
-        return {n: t[n] for n in names} | bias, {"group": linear.method.group_size}
-    return None

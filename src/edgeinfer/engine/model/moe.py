@@ -8,16 +8,23 @@ and the results are scattered back and summed with the routing weights. Nothing 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgeinfer.engine.model.kernel_forms import Form, experts_form, linear_form, prefixed
 from edgeinfer.engine.model.layers.activation import get_activation
-from edgeinfer.engine.model.layers.mlp import GatedMLP
+from edgeinfer.engine.model.layers.kernel_ops import MAX_ELEMENTS
+from edgeinfer.engine.model.layers.mlp import ACT_CODES, GatedMLP
 from edgeinfer.engine.model.routing import RouterSpec, TopKRouter
 from edgeinfer.engine.quant.base import WeightMethod
 from edgeinfer.engine.quant.experts import QuantizedExperts, quantize_expert_weights
+from edgeinfer.engine.quant.kernels.bf16 import GEMV_ROWS
+
+# The routed experts' parameters, each a stack `[num_experts, out, in]`.
+EXPERT_STACKS = ("gate_up_proj", "down_proj")
 
 # dtypes given to the CPU grouped GEMM; others (fp16) take the per-expert loop.
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
@@ -54,11 +61,15 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = get_activation(act)
 
-    def quantize_weights(self, method: WeightMethod) -> None:
-        """Swap both float stacks for quantized ones (`quantize_model` calls this); every expert is then one
-        quantized matmul over its rows."""
-        for name in ("gate_up_proj", "down_proj"):
-            stacked = quantize_expert_weights(getattr(self, name).detach(), method)
+    def quantize_weights(self, method: WeightMethod, names: tuple[str, ...] = EXPERT_STACKS) -> None:
+        """Swap the float stacks `names` (both by default) for quantized ones; every expert is then one
+        quantized matmul over its rows. The loader calls this for each stack as soon as it is filled, so a
+        model never holds more than one float stack; `quantize_model` then finds them quantized already."""
+        for name in names:
+            weight = getattr(self, name)
+            if isinstance(weight, QuantizedExperts):
+                continue
+            stacked = quantize_expert_weights(weight.detach(), method)
             delattr(self, name)  # a Parameter slot cannot take a module
             setattr(self, name, stacked)
 
@@ -103,17 +114,75 @@ class FusedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + routed experts (+ shared experts). HF names: `gate`, `experts`, `shared_experts`."""
+    """Router + routed experts (+ shared experts). HF names: `gate`, `experts`, `shared_experts`.
+
+    With `use_kernel` the whole block runs as one call of our C++ block (quant/kernels/moe_block.cpp) for
+    bf16 inputs: it routes, runs each chosen expert once over all its tokens and combines, rounding where
+    the torch form below rounds (tests/models_moe/test_moe_kernel.py compares them)."""
 
     def __init__(self, spec: MoeSpec) -> None:
         super().__init__()
+        self.spec = spec
         self.gate = TopKRouter(spec.router, spec.hidden)
         self.experts = FusedExperts(spec.router.num_experts, spec.hidden, spec.intermediate, spec.act)
         self.shared_experts = (
             GatedMLP(spec.hidden, spec.shared_intermediate, spec.act) if spec.shared_intermediate else None
         )
+        self.kernel_block: Any = None  # torch.classes.edgeinfer_cpu.MoeBlock, once switched on
+
+    def use_kernel(self) -> bool:
+        """Run through our MoE block where every weight has a form it reads (bf16, or int4 in the kernel's
+        layout; call after `kernels.load()` and after the layers took their kernel forms); False, and
+        nothing changed, where some weight has not."""
+        form = self.kernel_form()
+        if form is None:
+            return False
+        self.kernel_block = torch.classes.edgeinfer_cpu.MoeBlock(*form)
+        return True
+
+    def kernel_form(self) -> Form | None:
+        """The block as MoeBlock's constructor takes it (tensors and numbers by name), or None."""
+        spec, router = self.spec.router, self.gate
+        experts = self.experts
+        parts = {"gate_up": experts_form(experts.gate_up_proj), "down": experts_form(experts.down_proj)}
+        if self.shared_experts is not None:
+            parts["shared_gate_up"] = linear_form(self.shared_experts.gate_up_proj)
+            parts["shared_down"] = linear_form(self.shared_experts.down_proj)
+        act = ACT_CODES.get(self.spec.act)
+        if act is None or any(form is None for form in parts.values()):
+            return None
+        sigmoid = spec.scoring == "sigmoid"
+        if router.weight.dtype != (torch.float32 if sigmoid else torch.bfloat16):
+            return None
+        tensors = {"router.weight": router.weight.detach()}
+        if sigmoid:
+            tensors["router.bias"] = router.e_score_correction_bias.detach()
+        numbers = {
+            "top_k": spec.top_k,
+            "sigmoid": float(sigmoid),
+            "normalize": float(spec.norm_topk_prob),
+            "n_group": spec.n_group,
+            "topk_group": spec.topk_group,
+            "scaling": spec.routed_scaling_factor,
+            "act": act,
+            "gemv_rows": GEMV_ROWS,
+            "max_elements": MAX_ELEMENTS,
+        }
+        for name, form in parts.items():
+            assert form is not None
+            more_tensors, more_numbers = prefixed(name, form)
+            tensors |= more_tensors
+            numbers |= more_numbers
+        return tensors, numbers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.kernel_block is not None
+            and x.dtype == torch.bfloat16
+            and x.dim() == 2
+            and not torch.compiler.is_compiling()
+        ):
+            return self.kernel_block.forward(x)
         weights, expert_ids = self.gate(x)
         out = self.experts(x, expert_ids, weights)
         if self.shared_experts is not None:

@@ -12,7 +12,7 @@ from edgeinfer.engine.attention.backend import get_attention_backend
 from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
 from edgeinfer.engine.model.compile import DecodeCompiledForward
-from edgeinfer.engine.model.fused_decode import FusedDenseDecode, fused_dense_decode
+from edgeinfer.engine.model.fused_decode import FusedDecode, fused_decode
 from edgeinfer.engine.quant.kernels.decode import use_decode_ops
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.inputs import StepInputs, build_inputs
@@ -59,13 +59,13 @@ class ModelRunner:
         self.device = device
         self.backend = get_attention_backend(backend, storage)
         # every all-decode step through one C++ call where every layer runs on our kernels anyway
-        self.fused: FusedDenseDecode | None = None
+        self.fused: FusedDecode | None = None
         if decode_ops:  # the model runs on our CPU kernels, so they are built and loaded
             use_decode_ops(model)
             self.backend.decode_ops = True
             # the fused step attends as the torch backend's decode ops do: never in place of another
             if isinstance(self.backend, TorchPagedBackend):
-                self.fused = fused_dense_decode(model, storage)
+                self.fused = fused_decode(model, storage)
         # A compiled one-sequence graph only where the fused step does not take the model: where it does, it
         # is the faster of the two (Gemma 3 270M, 2 threads: int4 10.8-11.8 ms a step against 14.1-15.8
         # compiled, bf16 17.5-22.1 against 23.8-24.9) and it takes batched decode steps too.

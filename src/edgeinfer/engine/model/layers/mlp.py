@@ -8,6 +8,9 @@ from torch import nn
 from edgeinfer.engine.model.layers.activation import get_activation
 from edgeinfer.engine.model.layers.kernel_ops import takes_kernel
 
+# Activations our one-call `gated_act` knows (decode_ops.cpp), by HF name -> its code
+ACT_CODES = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
+
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)); `gate_up_proj` holds [gate; up] stacked on the output dim."""
@@ -18,8 +21,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = get_activation(act)
-        # our one-call `gated_act` (kernels.decode.use_decode_ops) knows these two
-        self.act_code = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}.get(act)
+        self.act_code = ACT_CODES.get(act)  # for our `gated_act` (kernels.decode.use_decode_ops)
         self.kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

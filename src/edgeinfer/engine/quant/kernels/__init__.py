@@ -43,6 +43,8 @@ _SOURCE_NAMES = (
     "bf16_gemv.cpp",
     "bf16_tiles.cpp",
     "decode_ops.cpp",
+    "mla_decode.cpp",
+    "moe_block.cpp",
     "dense_step.cpp",
     "encoder_attention.cpp",
 )

@@ -17,13 +17,16 @@ from torch import nn
 from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
+from edgeinfer.engine.model.moe import SparseMoeBlock
 
 _MODULES = (RMSNorm, RotaryEmbedding, GatedMLP)  # those with a `kernel` switch
 
 
 def use_decode_ops(model: nn.Module) -> None:
-    """Turn the ops on for the model's norms, rotary embeddings and gated MLPs (call after
-    `kernels.load()`)."""
+    """Turn the ops on for the model's norms, rotary embeddings and gated MLPs, and our one-call MoE block
+    for its sparse MoE blocks (call after `kernels.load()`)."""
     for module in model.modules():
         if isinstance(module, _MODULES):
             module.kernel = True
+        elif isinstance(module, SparseMoeBlock):
+            module.use_kernel()

@@ -343,6 +343,7 @@ namespace {
 
 struct DecodeShape {
   int64_t hq, hkv, d, dv, block_size, ctx, first;  // `first`: the first key a sliding window lets in
+  int64_t v_token = 0;  // values between two tokens' V rows (hkv * dv in a V pool; MLA's whole latent)
 };
 
 // Per-thread scratch: one sequence's K and V row pointers and attend_group's buffer.
@@ -497,7 +498,7 @@ void attend_head(const float* q, const uint16_t* q16, const uint16_t* kb, const 
   for (int64_t t = s.first; t < s.ctx; ++t) {
     const int64_t flat = ids[t / s.block_size] * s.block_size + t % s.block_size;
     rows.k[t - s.first] = kb + (flat * s.hkv + h) * s.d;
-    rows.v[t - s.first] = vb + (flat * s.hkv + h) * s.dv;
+    rows.v[t - s.first] = vb + flat * s.v_token + h * s.dv;
   }
 #if EDGEINFER_X86
   if (vec.bf16_attention)
@@ -528,13 +529,24 @@ void check_tables(const int64_t* ids, int64_t width, const int64_t* ctx, int64_t
   }
 }
 
+// Where a step's values lie: V rows of `dv` values, `token` values apart from one token's to the next (a
+// V pool, or the first `dv` values of MLA's latents in the K pool).
+struct Values {
+  const uint16_t* base;
+  int64_t dv, token;
+};
+
+Values values_of(const at::Tensor& v_pool) {
+  return {reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), v_pool.size(3),
+          v_pool.size(2) * v_pool.size(3)};
+}
+
 // q [B, Hq, D], the new tokens' K/V already in the pools, attended over sequence b's `ctx[b]` tokens in
 // row b of `ids` [B, width] (window > 0: only the last `window` keys), one task per (sequence, KV head).
-at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                            const int64_t* ids, int64_t width, const int64_t* ctx, double scale, int64_t window) {
-  const int64_t batch = q.size(0), hq = q.size(1), hkv = k_pool.size(2), dv = v_pool.size(3);
+at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k_pool, const Values& vals, const int64_t* ids,
+                            int64_t width, const int64_t* ctx, double scale, int64_t window) {
+  const int64_t batch = q.size(0), hq = q.size(1), hkv = k_pool.size(2), dv = vals.dv;
   const auto* kb = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>());
-  const auto* vb = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
   Vec vec = pick();
   vec.bf16_attention = vec.bf16_attention && k_pool.size(3) % 32 == 0 && dv % 16 == 0;
   const at::Tensor qc = q.contiguous(), qf = vec.bf16_attention ? at::Tensor() : q.to(at::kFloat).contiguous();
@@ -549,12 +561,33 @@ at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k_pool, const
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / hkv, h = t % hkv;
       const DecodeShape s{hq, hkv, k_pool.size(3), dv, k_pool.size(1), ctx[b],
-                          window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0};
-      attend_head(q32 ? q32 + b * hq * s.d : nullptr, q16 + b * hq * s.d, kb, vb, ids + b * width, s, h,
+                          window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0, vals.token};
+      attend_head(q32 ? q32 + b * hq * s.d : nullptr, q16 + b * hq * s.d, kb, vals.base, ids + b * width, s, h,
                   static_cast<float>(scale), out.data_ptr<at::BFloat16>() + b * hq * dv, vec, rows);
     }
   });
   return out;
+}
+
+// The step's block tables and context lengths, checked against the pool.
+struct Tables {
+  at::Tensor tables, lens;
+  const int64_t *ids, *ctx;
+  int64_t width;
+};
+
+Tables checked_tables(const at::Tensor& block_tables, const at::Tensor& ctx_lens, int64_t batch,
+                      const at::Tensor& pool, const char* op) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == batch,
+              op, ": block_tables must be int64 [B, n]");
+  TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.dim() == 1 && ctx_lens.size(0) == batch, op,
+              ": ctx_lens must be int64 [B]");
+  Tables t{block_tables.contiguous(), ctx_lens.contiguous(), nullptr, nullptr, 0};
+  t.ids = t.tables.data_ptr<int64_t>();
+  t.ctx = t.lens.data_ptr<int64_t>();
+  t.width = t.tables.size(1);
+  check_tables(t.ids, t.width, t.ctx, batch, pool.size(1), pool.size(0), op);
+  return t;
 }
 
 }  // namespace
@@ -580,7 +613,8 @@ at::Tensor paged_decode_one(const at::Tensor& q, const at::Tensor& k, const at::
               hkv * k_pool.size(3) * 2);
   std::memcpy(v_pool.data_ptr<at::BFloat16>() + slot * hkv * v_pool.size(3), v.contiguous().data_ptr<at::BFloat16>(),
               hkv * v_pool.size(3) * 2);
-  return attend_sequences(q, k_pool, v_pool, table.data_ptr<int64_t>(), table.size(0), &ctx, scale, window);
+  return attend_sequences(q, k_pool, values_of(v_pool), table.data_ptr<int64_t>(), table.size(0), &ctx, scale,
+                          window);
 }
 
 // One query token per sequence, q [B, Hq, D], its K/V already written, attended over each sequence's
@@ -594,15 +628,28 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) == k_pool.size(3) &&
                   q.size(1) % k_pool.size(2) == 0,
               "paged_decode: q must be bf16 [B, heads, head_dim], heads a multiple of the pools' KV heads");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == batch,
-              "paged_decode: block_tables must be int64 [B, n]");
-  TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.dim() == 1 && ctx_lens.size(0) == batch,
-              "paged_decode: ctx_lens must be int64 [B]");
   if (batch == 0) return at::empty({0, q.size(1), v_pool.size(3)}, q.options());
-  const at::Tensor tables = block_tables.contiguous(), lens = ctx_lens.contiguous();
-  const int64_t width = tables.size(1), *ids = tables.data_ptr<int64_t>(), *ctx = lens.data_ptr<int64_t>();
-  check_tables(ids, width, ctx, batch, k_pool.size(1), k_pool.size(0), "paged_decode");
-  return attend_sequences(q, k_pool, v_pool, ids, width, ctx, scale, window);
+  const Tables t = checked_tables(block_tables, ctx_lens, batch, k_pool, "paged_decode");
+  return attend_sequences(q, k_pool, values_of(v_pool), t.ids, t.width, t.ctx, scale, window);
+}
+
+// MLA's absorbed decode attention: q [B, H, rank + rope] against each sequence's latents [c ; k_pe] in the
+// pool [blocks, block_size, 1, rank + rope] (one key shared by every head), the values being the latents'
+// first `rank` entries -> [B, H, rank].
+at::Tensor paged_decode_latent(const at::Tensor& q, const at::Tensor& latent_pool, const at::Tensor& block_tables,
+                               const at::Tensor& ctx_lens, int64_t rank, double scale) {
+  TORCH_CHECK(latent_pool.dim() == 4 && latent_pool.size(2) == 1 && latent_pool.scalar_type() == at::kBFloat16 &&
+                  latent_pool.is_contiguous(),
+              "paged_decode_latent: the pool must be contiguous bf16 [blocks, block_size, 1, latent]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) == latent_pool.size(3),
+              "paged_decode_latent: q must be bf16 [B, heads, latent]");
+  TORCH_CHECK(rank > 0 && rank < latent_pool.size(3), "paged_decode_latent: rank out of range");
+  const int64_t batch = q.size(0);
+  if (batch == 0) return at::empty({0, q.size(1), rank}, q.options());
+  const Tables t = checked_tables(block_tables, ctx_lens, batch, latent_pool, "paged_decode_latent");
+  const Values vals{reinterpret_cast<const uint16_t*>(latent_pool.data_ptr<at::BFloat16>()), rank,
+                    latent_pool.size(3)};
+  return attend_sequences(q, latent_pool, vals, t.ids, t.width, t.ctx, scale, 0);
 }
 
 }  // namespace edgeinfer_cpu

@@ -10,83 +10,27 @@
 //
 // Built from Python (model/fused_decode.py), one `add_layer` per layer: tensors by name, numbers by name.
 
+#include "layers.h"
+#include "moe_block.h"
 #include "ops.h"
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace {
 
-using Tensors = c10::Dict<std::string, at::Tensor>;
-using Numbers = c10::Dict<std::string, double>;
-
-at::Tensor get(const Tensors& t, const std::string& name) {
-  TORCH_CHECK(t.contains(name), "DenseDecodeStep.add_layer: no tensor '", name, "'");
-  return t.at(name);
-}
-
-double number(const Numbers& c, const std::string& name) {
-  TORCH_CHECK(c.contains(name), "DenseDecodeStep.add_layer: no number '", name, "'");
-  return c.at(name);
-}
-
-// How the eager path splits work between our kernels and ATen's (kernels/bf16.py GEMV_ROWS,
-// layers/kernel_ops.py MAX_ELEMENTS).
-struct Limits {
-  int64_t gemv_rows = 0, max_elements = 0;
-};
-
-// y = x @ W^T (+ b), as GemvLinear (a bf16 weight: bf16_gemv up to `gemv_rows` rows, else ATen's linear)
-// and QuantLinear's cpu_w4a8 kernel (int4 codes: int4_gemv) multiply.
-struct Linear {
-  at::Tensor weight, codes, scales, zero_terms, bias;
-  int64_t group = 0;
-
-  Linear() = default;
-  Linear(const Tensors& t, const Numbers& c, const std::string& name) {
-    if (t.contains(name + ".weight")) {
-      weight = t.at(name + ".weight");
-      TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2, name, ": weight must be bf16 [N, K]");
-    } else {
-      codes = get(t, name + ".codes");
-      scales = get(t, name + ".scales");
-      zero_terms = get(t, name + ".zero_terms");
-      group = static_cast<int64_t>(number(c, name + ".group"));
-    }
-    if (t.contains(name + ".bias")) bias = t.at(name + ".bias");
-  }
-
-  at::Tensor operator()(const at::Tensor& x, const Limits& lim) const {
-    if (weight.defined() && x.size(0) > lim.gemv_rows) return at::linear(x, weight, bias);
-    at::Tensor y = weight.defined() ? edgeinfer_cpu::bf16_gemv(x, weight)
-                                    : edgeinfer_cpu::int4_gemv(x.contiguous(), codes, scales, zero_terms, group);
-    return bias.defined() ? y + bias.to(y.scalar_type()) : y;
-  }
-};
-
-// RMSNorm as layers/norm.py computes it: `weight` is Gemma's fp32 `1 + w` (the scale applied in fp32) or
-// a bf16 weight (`round_first`: the normalised rows rounded to bf16 before it multiplies them).
-struct Norm {
-  at::Tensor weight;
-  double eps = 0;
-  bool round_first = false;
-
-  Norm() = default;
-  Norm(const Tensors& t, const Numbers& c, const std::string& name)
-      : weight(get(t, name)), eps(number(c, name + ".eps")), round_first(number(c, name + ".round_first") != 0) {}
-
-  at::Tensor operator()(const at::Tensor& x, const Limits& lim) const {
-    if (x.numel() <= lim.max_elements) return edgeinfer_cpu::rms_norm(x.contiguous(), weight, eps, round_first);
-    const int64_t d = x.size(-1);
-    const at::IntArrayRef shape(&d, 1);
-    if (round_first) return weight * at::rms_norm(x.to(at::kFloat), shape, std::nullopt, eps).to(x.scalar_type());
-    return at::rms_norm(x.to(at::kFloat), shape, weight, eps).to(x.scalar_type());
-  }
-};
+using edgeinfer_cpu::step::get;
+using edgeinfer_cpu::step::Limits;
+using edgeinfer_cpu::step::Linear;
+using edgeinfer_cpu::step::Norm;
+using edgeinfer_cpu::step::number;
+using edgeinfer_cpu::step::Numbers;
+using edgeinfer_cpu::step::Tensors;
 
 // Rotary embedding as layers/rotary.py applies it to x [T, H, D] with the step's tables [T, 1, w].
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rd, bool interleaved,
@@ -115,20 +59,75 @@ struct StepInputs {
   const at::Tensor& ctx_lens;
 };
 
+// DeepSeek-V3 / Kimi K2 multi-head latent attention as model/mla.py computes a decode: the query (full rank or
+// through q_a, its norm and q_b), the latent [kv_a_norm(c) ; rope(k_pe)] written at the new tokens' slots,
+// then mla_decode (the up-projection absorbed) and o.
+struct Mla {
+  Linear q, q_a, q_b, kv_a, o;
+  Norm q_a_norm, kv_a_norm;
+  at::Tensor kv_b, latent_pool;
+  bool q_lora = false, interleaved = false;
+  int64_t heads = 0, nope = 0, rope_dim = 0, v = 0, rank = 0, rope = 0;
+  double scale = 1;
+
+  Mla(const Tensors& t, const Numbers& c) {
+    q_lora = t.contains("q_a_norm");
+    if (q_lora) {
+      q_a = Linear(t, c, "q_a");
+      q_a_norm = Norm(t, c, "q_a_norm");
+      q_b = Linear(t, c, "q_b");
+    } else {
+      q = Linear(t, c, "q");
+    }
+    kv_a = Linear(t, c, "kv_a");
+    kv_a_norm = Norm(t, c, "kv_a_norm");
+    o = Linear(t, c, "o");
+    kv_b = get(t, "kv_b");
+    latent_pool = get(t, "latent_pool");
+    for (auto [field, name] : {std::pair{&heads, "heads"}, {&nope, "nope"}, {&rope_dim, "rotary_dim"}, {&v, "v_dim"},
+                               {&rank, "rank"}, {&rope, "rope"}})
+      *field = static_cast<int64_t>(number(c, name));
+    interleaved = number(c, "interleaved") != 0;
+    scale = number(c, "scale");
+  }
+
+  // h [T, hidden] (the normed input) -> the attention's output [T, hidden]
+  at::Tensor operator()(const at::Tensor& h, const StepInputs& in, const Limits& lim) const {
+    const int64_t t = h.size(0);
+    const at::Tensor qs = (q_lora ? q_b(q_a_norm(q_a(h, lim), lim), lim) : q(h, lim)).view({t, heads, nope + rope_dim});
+    const at::Tensor ckv = kv_a(h, lim);
+    const at::Tensor &cos = in.cos[rope], &sin = in.sin[rope];
+    const at::Tensor q_pe = rotate(qs.narrow(2, nope, rope_dim), cos, sin, rope_dim, interleaved, lim);
+    const at::Tensor k_pe = rotate(ckv.narrow(1, rank, rope_dim).unsqueeze(1), cos, sin, rope_dim, interleaved, lim);
+    const at::Tensor latent = at::cat({kv_a_norm(ckv.narrow(1, 0, rank), lim), k_pe.squeeze(1)}, 1);
+    latent_pool.view({-1, rank + rope_dim}).index_copy_(0, in.slots, latent);
+    const at::Tensor attn = edgeinfer_cpu::mla_decode(qs.narrow(2, 0, nope), q_pe, latent_pool, kv_b, in.block_tables,
+                                                      in.ctx_lens, scale);
+    return o(attn.reshape({t, heads * v}), lim);
+  }
+};
+
 struct Layer {
   Norm input, post_attention, pre_feedforward, post_feedforward, q_norm, k_norm;
   Linear qkv, o, gate_up, down;
+  c10::intrusive_ptr<edgeinfer_cpu::MoeBlock> moe;  // set: the feed-forward is this sparse MoE block
+  std::shared_ptr<Mla> mla;                          // set: the attention is latent (no GQA fields)
   bool sandwich = false, qk_norm = false, interleaved = false;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, rope = 0, rotary_dim = 0, window = 0, act = 0;
   double scale = 1;
   at::Tensor k_pool, v_pool;
 
   at::Tensor mlp(const at::Tensor& x, const Limits& lim) const {
+    if (moe) return moe->forward(x);
     return down(edgeinfer_cpu::gated_act(gate_up(x, lim), act), lim);
   }
 
-  // x [T, hidden] -> the layer's output, as DecoderLayer.forward computes it.
+  // x [T, hidden] -> the layer's output, as DecoderLayer.forward (MoeDecoderLayer.forward) computes it.
   at::Tensor forward(const at::Tensor& x, const StepInputs& in, const Limits& lim) {
+    if (mla) {
+      const at::Tensor mid = x + (*mla)(input(x, lim), in, lim);
+      return mid + mlp(post_attention(mid, lim), lim);
+    }
     const int64_t t = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
     const at::Tensor qkv_out = qkv(input(x, lim), lim);
     at::Tensor q = qkv_out.narrow(1, 0, q_size).view({t, heads, head_dim});
@@ -166,33 +165,11 @@ class DenseDecodeStep : public torch::CustomClassHolder {
   // optional `<name>.bias`), the layer's `k_pool` and `v_pool`. Numbers: `<norm>.eps`, `<norm>.round_first`,
   // `<linear>.group` for int4, `heads`, `kv_heads`, `head_dim`, `rope` (which of `run`'s tables),
   // `rotary_dim`, `interleaved`, `scale`, `window` (0: global), `act` (gated_act's code).
-  void add_layer(Tensors t, Numbers c) {
-    Layer l;
-    l.sandwich = t.contains("pre_feedforward_norm");
-    l.qk_norm = t.contains("q_norm");
-    l.input = Norm(t, c, "input_norm");
-    l.post_attention = Norm(t, c, "post_attention_norm");
-    if (l.sandwich) {
-      l.pre_feedforward = Norm(t, c, "pre_feedforward_norm");
-      l.post_feedforward = Norm(t, c, "post_feedforward_norm");
-    }
-    if (l.qk_norm) {
-      l.q_norm = Norm(t, c, "q_norm");
-      l.k_norm = Norm(t, c, "k_norm");
-    }
-    l.qkv = Linear(t, c, "qkv");
-    l.o = Linear(t, c, "o");
-    l.gate_up = Linear(t, c, "gate_up");
-    l.down = Linear(t, c, "down");
-    for (auto [field, name] : {std::pair{&l.heads, "heads"}, {&l.kv_heads, "kv_heads"}, {&l.head_dim, "head_dim"},
-                               {&l.rope, "rope"}, {&l.rotary_dim, "rotary_dim"}, {&l.window, "window"},
-                               {&l.act, "act"}})
-      *field = static_cast<int64_t>(number(c, name));
-    l.interleaved = number(c, "interleaved") != 0;
-    l.scale = number(c, "scale");
-    l.k_pool = get(t, "k_pool");
-    l.v_pool = get(t, "v_pool");
-    layers_.push_back(std::move(l));
+  void add_layer(Tensors t, Numbers c) { layers_.push_back(make_layer(t, c, {})); }
+
+  // A layer whose feed-forward is a sparse MoE block: as add_layer, without `gate_up` and `down`.
+  void add_moe_layer(Tensors t, Numbers c, c10::intrusive_ptr<edgeinfer_cpu::MoeBlock> moe) {
+    layers_.push_back(make_layer(t, c, std::move(moe)));
   }
 
   // x [T, hidden] bf16 (the scaled embeddings of T decoding sequences' new tokens) -> the last layer's
@@ -214,6 +191,47 @@ class DenseDecodeStep : public torch::CustomClassHolder {
   }
 
  private:
+  static Layer make_layer(const Tensors& t, const Numbers& c, c10::intrusive_ptr<edgeinfer_cpu::MoeBlock> moe) {
+    Layer l;
+    l.sandwich = t.contains("pre_feedforward_norm");
+    l.qk_norm = t.contains("q_norm");
+    l.input = Norm(t, c, "input_norm");
+    l.post_attention = Norm(t, c, "post_attention_norm");
+    if (l.sandwich) {
+      l.pre_feedforward = Norm(t, c, "pre_feedforward_norm");
+      l.post_feedforward = Norm(t, c, "post_feedforward_norm");
+    }
+    if (l.qk_norm) {
+      l.q_norm = Norm(t, c, "q_norm");
+      l.k_norm = Norm(t, c, "k_norm");
+    }
+    l.moe = std::move(moe);
+    if (c.contains("mla")) {
+      l.mla = std::make_shared<Mla>(t, c);
+      l.act = static_cast<int64_t>(number(c, "act"));
+      if (!l.moe) {
+        l.gate_up = Linear(t, c, "gate_up");
+        l.down = Linear(t, c, "down");
+      }
+      return l;
+    }
+    l.qkv = Linear(t, c, "qkv");
+    l.o = Linear(t, c, "o");
+    if (!l.moe) {
+      l.gate_up = Linear(t, c, "gate_up");
+      l.down = Linear(t, c, "down");
+    }
+    for (auto [field, name] : {std::pair{&l.heads, "heads"}, {&l.kv_heads, "kv_heads"}, {&l.head_dim, "head_dim"},
+                               {&l.rope, "rope"}, {&l.rotary_dim, "rotary_dim"}, {&l.window, "window"},
+                               {&l.act, "act"}})
+      *field = static_cast<int64_t>(number(c, name));
+    l.interleaved = number(c, "interleaved") != 0;
+    l.scale = number(c, "scale");
+    l.k_pool = get(t, "k_pool");
+    l.v_pool = get(t, "v_pool");
+    return l;
+  }
+
   std::vector<Layer> layers_;
   Limits limits_;
 };
@@ -224,5 +242,6 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.class_<DenseDecodeStep>("DenseDecodeStep")
       .def(torch::init<int64_t, int64_t>())
       .def("add_layer", &DenseDecodeStep::add_layer)
+      .def("add_moe_layer", &DenseDecodeStep::add_moe_layer)
       .def("run", &DenseDecodeStep::run);
 }

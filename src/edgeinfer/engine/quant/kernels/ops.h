@@ -15,6 +15,13 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 at::Tensor gated_act(const at::Tensor& gate_up, int64_t act);
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale, int64_t window);
+at::Tensor paged_decode_latent(const at::Tensor& q, const at::Tensor& latent_pool, const at::Tensor& block_tables,
+                               const at::Tensor& ctx_lens, int64_t rank, double scale);
+
+// mla_decode.cpp
+at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& latent_pool,
+                      const at::Tensor& kv_b, const at::Tensor& block_tables, const at::Tensor& ctx_lens,
+                      double scale);
 
 // bf16_gemv.cpp
 void bf16_gemv_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);

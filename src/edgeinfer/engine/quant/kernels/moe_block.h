@@ -1,0 +1,63 @@
+// A sparse MoE block in one call: route each token to its top-k experts, run every chosen expert once over
+// all the tokens routed to it, combine with the routing weights, add the shared expert (moe_block.cpp).
+
+#pragma once
+
+#include "layers.h"
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+
+#include <string>
+
+namespace edgeinfer_cpu {
+
+// The experts of one projection, stacked [E, N, K]: a bf16 `weight`, or int4_gemv's `codes` / `scales` /
+// `zero_terms` with a leading expert dimension.
+struct ExpertStack {
+  at::Tensor weight, codes, scales, zero_terms;
+  int64_t group = 0;
+
+  ExpertStack() = default;
+  ExpertStack(const step::Tensors& t, const step::Numbers& c, const std::string& name);
+  int64_t experts() const { return weight.defined() ? weight.size(0) : codes.size(0); }
+  // rows [n, K] (bf16) @ expert e's weight^T -> [n, N] bf16
+  at::Tensor operator()(const at::Tensor& rows, int64_t e, const step::Limits& lim) const;
+};
+
+// Which experts each token goes to, with what weight (model/routing.py's two scorings).
+struct Router {
+  at::Tensor weight, bias;  // [E, H]: bf16 for softmax scoring, fp32 for sigmoid (with its fp32 bias [E])
+  int64_t top_k = 0, n_group = 1, topk_group = 1;
+  bool sigmoid = false, normalize = false;
+  double scaling = 1.0;
+
+  // x [T, H] bf16 -> weights [T, k] fp32 (softmax's rounded to bf16 values, as the eager path keeps
+  // them) and expert ids [T, k] int64.
+  std::pair<at::Tensor, at::Tensor> operator()(const at::Tensor& x) const;
+};
+
+class MoeBlock : public torch::CustomClassHolder {
+ public:
+  // Tensors: `router.weight` (+ `router.bias` for sigmoid scoring), the experts `gate_up` [E, 2I, H] and
+  // `down` [E, H, I] (`.weight`, or `.codes` / `.scales` / `.zero_terms`), and optionally the shared
+  // expert's linears `shared_gate_up` and `shared_down` (as layers.h's Linear reads them). Numbers:
+  // `top_k`, `sigmoid`, `normalize`, `n_group`, `topk_group`, `scaling`, `act` (gated_act's code),
+  // `<stack>.group` for int4, `gemv_rows` and `max_elements` (layers.h's Limits).
+  MoeBlock(step::Tensors t, step::Numbers c);
+
+  // x [T, H] bf16 -> [T, H] bf16
+  at::Tensor forward(at::Tensor x) const;
+
+ private:
+  at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const;
+
+  Router router_;
+  ExpertStack gate_up_, down_;
+  step::Linear shared_gate_up_, shared_down_;
+  bool shared_ = false;
+  int64_t act_ = 0;
+  step::Limits limits_;
+};
+
+}  // namespace edgeinfer_cpu

@@ -1,0 +1,97 @@
+"""MoE models on our kernels in bf16 and int4: the fused decode step takes them (GLM-4.5 and Qwen3-MoE with
+GQA, DeepSeek-V3 and Kimi K2 with latent attention) and decodes as their eager path does, bit for bit; every
+family's MoE layers run through our MoE block, and a sequence decodes alike alone or batched (bit for bit,
+where the batch's prefill stays within the kernels' rows)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.kernels import require_gemv_kernels
+from tiny_moe import make_tiny_moe
+
+from edgeinfer.engine.config import EngineConfig
+from edgeinfer.engine.engine import LLMEngine
+from edgeinfer.engine.model.moe import SparseMoeBlock
+from edgeinfer.types import SamplingParams
+
+PROMPTS = [[3, 14, 15, 92, 65], list(range(4, 26)), [7] * 9, list(range(100, 140))]
+MAX_TOKENS = 10
+QUANTIZATION = pytest.mark.parametrize("quantization", [None, "int4"], ids=["bf16", "int4"])
+
+
+@pytest.fixture(autouse=True)
+def _kernels() -> None:
+    require_gemv_kernels()
+
+
+def _engine(model: str, quantization: str | None) -> LLMEngine:
+    # no prefix cache (a second run's prompts would prefill fewer rows, through other products) and no
+    # step-time budget (it cuts prefills by measured speed, so the rows of each product would vary)
+    config = EngineConfig(
+        max_step_ms=None,
+        shared_step_ms=None,
+        model=model,
+        dtype="bfloat16",
+        quantization=quantization,
+        num_kv_blocks=64,
+        enable_prefix_caching=False,
+        batch_window_ms=0,
+    )
+    return LLMEngine(config)
+
+
+def _decode(
+    engine: LLMEngine, together: bool, prompts: list[list[int]] = PROMPTS
+) -> list[tuple[list[int], list[float]]]:
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    done = engine.generate(prompts, sp) if together else [engine.generate([p], sp)[0] for p in prompts]
+    out = []
+    for c in done:
+        lps = [lp for o in c.outputs for lp in o.logprobs]
+        out.append(([t.token_id for t in lps], [t.logprob for t in lps] + [p for t in lps for _, p in t.top]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(moe_models, tmp_path_factory) -> dict[str, str]:
+    """The tiny MoE checkpoints, and a DeepSeek-V3 whose low-rank projections are 64 wide, as real ones'
+    are multiples of: the int4 kernel's layout needs that of q_a_proj's and kv_a_proj's outputs."""
+    path = tmp_path_factory.mktemp("mla") / "deepseek_v3_r64"
+    r64 = make_tiny_moe("deepseek_v3", path, q_lora_rank=64, kv_lora_rank=48, qk_rope_head_dim=16)
+    return moe_models | {"deepseek_v3_r64": str(r64)}
+
+
+CASES = [(f, None) for f in ("glm4_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_full_q", "kimi_k2")] + [
+    (f, "int4") for f in ("glm4_moe", "qwen3_moe", "deepseek_v3_r64")
+]
+
+
+@pytest.mark.parametrize(("family", "quantization"), CASES)
+def test_the_fused_step_decodes_moe_models_as_the_eager_path(models, family, quantization) -> None:
+    engine = _engine(models[family], quantization)
+    blocks = [m for m in engine.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.kernel_block is not None for b in blocks)
+    fused = engine.runner.fused
+    assert fused is not None, "every layer runs on our kernels: the fused step takes the model"
+    steps: list[int] = []
+
+    def counted(ids, positions, meta):
+        steps.append(len(ids))
+        return fused(ids, positions, meta)
+
+    engine.runner.fused = counted
+    with_fused = [_decode(engine, together) for together in (False, True)]
+    assert steps.count(1) >= len(PROMPTS) * (MAX_TOKENS - 1) and max(steps) == len(PROMPTS)
+    engine.runner.fused = None
+    assert [_decode(engine, together) for together in (False, True)] == with_fused
+
+
+@QUANTIZATION
+@pytest.mark.parametrize("family", ["deepseek_v3_r64", "kimi_k2"])
+def test_mla_moe_models_decode_alike_alone_and_batched(models, family, quantization) -> None:
+    engine = _engine(models[family], quantization)
+    assert all(m.kernel_block is not None for m in engine.model.modules() if isinstance(m, SparseMoeBlock))
+    # prompts whose joint prefill stays within the kernels' rows (wider products take torch's GEMM)
+    prompts = PROMPTS[:3]
+    alone, together = (_decode(engine, t, prompts) for t in (False, True))
+    assert alone == together
