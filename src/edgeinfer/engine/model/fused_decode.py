@@ -1,12 +1,10 @@
-"""A decode step of a dense or MoE (GQA) model through our one-call C++ step (quant/kernels/dense_step.cpp).
+"""A decode step of a dense or MoE model through our one-call C++ step (quant/kernels/dense_step.cpp).
 
 With the decode ops on (kernels.decode), a decode step already runs each small norm, rotation, product
-and attention as one kernel call; what is left is calling ~15 of them a layer from Python, through the
+and attention as one kernel call; what is left is calling many of them a layer from Python, through the
 modules. Here the embedding, the rope tables and the final norm stay in Python and every layer runs
-inside one C++ call, which releases the GIL for the whole of it. Measured on Gemma 3 270M (2 threads, AMD
-EPYC, interleaved in one process, medians): one sequence 20.9 → 17.7 ms a step in bf16, 13.0 → 10.3 ms
-in int4; 8 sequences 45.3 → 43.2 ms in bf16 (35.8 → 31.2 in int4), 32 sequences 95.1 → 90.8 ms, where
-torch's GEMMs take most of the step. Steps that prefill keep the eager path.
+inside one C++ call, which releases the GIL for the whole of it (step times: docs/benchmarks.md). Steps
+that prefill keep the eager path.
 
 It runs what the eager path runs (our kernels where it takes them, the same ATen ops where it does not),
 in the same order, so its hidden states equal the eager path's bit for bit
