@@ -15,7 +15,7 @@ from helpers.fleet_sim import SERVICE_S, arrivals_of, one_location, write_profil
 
 from edgeinfer.fleet import sim_policies
 from edgeinfer.fleet.sim_demand import Arrivals
-from edgeinfer.fleet.sim_fleet import Fleet
+from edgeinfer.fleet.sim_fleet import SimFleet
 from edgeinfer.fleet.sim_profile import parse_profile
 from edgeinfer.fleet.sim_report import all_metrics, deterministic
 from edgeinfer.fleet.sim_run import build_locations, simulate
@@ -37,14 +37,14 @@ def test_queueing_delay_matches_md1(tmp_path):
     assert np.mean(wait < 1e-9) == pytest.approx(1 - rho, abs=0.03)
 
 
-def _fleet(tmp_path: Path, arrivals: Arrivals, router_ms: float = 0.0, **profile) -> Fleet:
+def _fleet(tmp_path: Path, arrivals: Arrivals, router_ms: float = 0.0, **profile) -> SimFleet:
     raw = one_location(tmp_path, 1.0, 100.0)
     raw["network"]["router_ms"] = router_ms
     write_profile(tmp_path / "p.json", **profile)
     raw["models"][0]["system_prompt_tokens"] = 0
     scenario = parse_scenario(raw, base_dir=tmp_path)
     prof = parse_profile(json.loads((tmp_path / "p.json").read_text()))
-    fleet = Fleet(scenario, prof, build_locations(scenario), len(arrivals))
+    fleet = SimFleet(scenario, prof, build_locations(scenario), len(arrivals))
     fleet.env.process(fleet.feed(arrivals, sim_policies.make_policy("router", fleet)))
     fleet.env.run()
     return fleet
@@ -152,7 +152,7 @@ def test_least_loaded_skips_saturated_nodes_and_loads_a_cold_copy(tmp_path):
     scenario = parse_scenario(raw, base_dir=tmp_path)
     prof = parse_profile(json.loads((tmp_path / "p.json").read_text()))
     arrivals = arrivals_of([(0.0, 100, 2, 0, 0)] * 3)
-    fleet = Fleet(scenario, prof, build_locations(scenario), len(arrivals))
+    fleet = SimFleet(scenario, prof, build_locations(scenario), len(arrivals))
     cold = fleet.nodes[2]
     del cold.slots[0]  # the model is warm on the first two nodes only
     cold._residency_changed()
@@ -168,6 +168,6 @@ def test_cached_node_states_decide_as_fresh_ones(three_locations, monkeypatch):
     # plain one (a fresh NodeState per node per request, RTTs from the matrix): the same report.
     scenario = replace(three_locations(4), policies=("router", "nearest"))
     fast = deterministic(all_metrics(simulate(scenario)))
-    monkeypatch.setattr(Fleet, "node_state", Fleet.fresh_state)
-    monkeypatch.setattr(Fleet, "rtt_by_code", lambda self, a, b: self._rtt[self._index[a]][self._index[b]])
+    monkeypatch.setattr(SimFleet, "node_state", SimFleet.fresh_state)
+    monkeypatch.setattr(SimFleet, "rtt_by_code", lambda self, a, b: self._rtt[self._index[a]][self._index[b]])
     assert deterministic(all_metrics(simulate(scenario))) == fast

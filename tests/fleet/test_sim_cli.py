@@ -7,7 +7,8 @@ import json
 import pytest
 
 from edgeinfer.cli import main
-from edgeinfer.fleet.sim_geo import Location, NetworkModel, world_metros
+from edgeinfer.fleet.sim_geo import Metro, world_metros
+from edgeinfer.router.geo import NetworkModel
 
 SCENARIO = """
 seed = 4
@@ -100,8 +101,8 @@ def test_bad_scenario_is_one_line_and_exit_2(tmp_path, capsys, text, message):
 
 
 def test_rtt_from_great_circle():
-    london = Location("L", "", 51.51, -0.13, 1, "EU", 0)
-    new_york = Location("N", "", 40.71, -74.01, 1, "NA", -5)
+    london = Metro(code="L", name="", lat=51.51, lon=-0.13, population=1, region="EU", utc_offset_h=0)
+    new_york = Metro(code="N", name="", lat=40.71, lon=-74.01, population=1, region="NA", utc_offset_h=-5)
     # ~5,570 km; 2 x 5,570 / 199.86 km per ms x 2.0 + 5 ms.
     assert NetworkModel(path_inflation=2.0, last_mile_ms=5.0).rtt_ms(london, new_york) == pytest.approx(
         116.5, abs=1.0

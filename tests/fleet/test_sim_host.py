@@ -9,7 +9,7 @@ import simpy
 from helpers.fleet_sim import arrivals_of, one_location, write_profile
 
 from edgeinfer.fleet import sim_policies
-from edgeinfer.fleet.sim_fleet import Fleet
+from edgeinfer.fleet.sim_fleet import SimFleet
 from edgeinfer.fleet.sim_host import HostSpec, SharedHost
 from edgeinfer.fleet.sim_profile import parse_profile
 from edgeinfer.fleet.sim_run import build_locations
@@ -67,7 +67,7 @@ def test_a_host_needs_more_cores_than_its_idle_load():
         SharedHost(simpy.Environment(), HostSpec(cores=1, idle_cores=1))
 
 
-def _two_nodes(tmp_path, host: dict, rows) -> Fleet:
+def _two_nodes(tmp_path, host: dict, rows) -> SimFleet:
     # Prefill 50 ms a request (profile default), one output token: each request is one 50 ms job.
     raw = one_location(tmp_path, 1.0, 100.0, per_location=[2])
     raw["host"] = host
@@ -75,7 +75,7 @@ def _two_nodes(tmp_path, host: dict, rows) -> Fleet:
     scenario = parse_scenario(raw, base_dir=tmp_path)
     prof = parse_profile(json.loads((tmp_path / "p.json").read_text()))
     arrivals = arrivals_of(rows)
-    fleet = Fleet(scenario, prof, build_locations(scenario), len(arrivals))
+    fleet = SimFleet(scenario, prof, build_locations(scenario), len(arrivals))
     fleet.env.process(fleet.feed(arrivals, sim_policies.make_policy("least-loaded", fleet)))
     fleet.env.run()
     return fleet

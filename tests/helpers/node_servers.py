@@ -15,10 +15,11 @@ from typing import Any
 
 import httpx
 
+from edgeinfer.api.limits import NodeLimits
 from edgeinfer.engine.config import EngineConfig
-from edgeinfer.node.app import create_app
-from edgeinfer.node.config import ConnectionLimits, NodeConfig, NodeLimits
-from edgeinfer.node.server import NodeServer, uvicorn_config
+from edgeinfer.node.config import ConnectionLimits, NodeConfig
+from edgeinfer.node.http.app import create_app
+from edgeinfer.node.http.server import NodeServer, uvicorn_config
 from edgeinfer.node.service import NodeService
 from edgeinfer.pool.loader import EngineLoader
 from edgeinfer.pool.manager import ModelPool

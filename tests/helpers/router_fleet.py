@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from edgeinfer.node.keys import hash_key
+from edgeinfer.api.keys import hash_key
 from edgeinfer.router.app import create_router_app
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.fleet_file import Fleet

@@ -10,7 +10,7 @@ import pytest
 from helpers.node_servers import LiveServer, NodeFactory, NodeProcesses
 from helpers.tiny_models import make_tiny
 
-from edgeinfer.node.keys import hash_key
+from edgeinfer.api.keys import hash_key
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import pytest
 from helpers.node_servers import LiveServer, NodeFactory
 from helpers.raw_http import assert_json_400, send_raw
 
-from edgeinfer.types import router_trust
+from edgeinfer.api import router_trust
 from edgeinfer.types.bounded_json import MAX_JSON_DEPTH
 
 SECRET = b"issue-42-router-secret-0123456789"

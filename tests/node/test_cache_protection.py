@@ -138,7 +138,7 @@ def test_public_prefixes_flag_shares_a_prefix_and_keeps_tails_private(tmp_path, 
     request; a tenant's tail after it is hit by that tenant alone."""
     from helpers.node_servers import NodeProcesses
 
-    from edgeinfer.node.keys import hash_key
+    from edgeinfer.api.keys import hash_key
 
     public = "You are a careful assistant who answers briefly. " * 8
     tenants = tmp_path / "tenants.json"

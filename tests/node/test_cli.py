@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from edgeinfer.api.limits import NodeLimits
 from edgeinfer.node.cli import add_arguments, build_config, build_specs
-from edgeinfer.node.config import NodeLimits
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -67,7 +67,7 @@ def test_the_switch_interval_is_the_servers_and_set_once_at_start(tiny_llama_dir
     switch interval."""
     from edgeinfer.engine.async_engine import AsyncLLMEngine
     from edgeinfer.engine.config import EngineConfig
-    from edgeinfer.node.server import configure_process
+    from edgeinfer.node.http.server import configure_process
 
     assert build_config(_parse()).switch_interval_s == 0.0005
     config = build_config(_parse("--switch-interval-ms", "2"))

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 from helpers.node_servers import NodeProcesses
 
-from edgeinfer.node.metering import STATUS_INTERRUPTED, UsageStore
+from edgeinfer.node.billing.metering import STATUS_INTERRUPTED, UsageStore
 
 
 def _until_checkpointed(db: Path, tokens: int, timeout_s: float = 60.0) -> None:

@@ -26,9 +26,9 @@ from helpers.router_fleet import RouterThread, one_node_fleet
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.node.config import NodeLimits
+from edgeinfer.api import router_trust
+from edgeinfer.api.limits import NodeLimits
 from edgeinfer.router.config import RouterConfig
-from edgeinfer.types import router_trust
 from edgeinfer.types.bounded_json import MAX_JSON_DEPTH
 
 WAI = "/accounts/acct/ai/run/"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from edgeinfer.node.ratelimit import RateLimiter, RateLimitExceeded, SlidingWindowLog
-from edgeinfer.node.tenants import Tenant, TenantLimits
+from edgeinfer.api.tenants import Tenant, TenantLimits
+from edgeinfer.node.billing.ratelimit import RateLimiter, RateLimitExceeded, SlidingWindowLog
 
 
 class Clock:
@@ -17,7 +17,7 @@ class Clock:
 
 
 def _tenant(**limits: int) -> Tenant:
-    return Tenant("t", "ns", TenantLimits(**limits))
+    return Tenant(name="t", cache_namespace="ns", limits=TenantLimits(**limits))
 
 
 def test_window_admits_exactly_the_limit_in_any_60_seconds() -> None:

@@ -9,8 +9,8 @@ import time
 
 import httpx
 
+from edgeinfer.node.billing.metering import UsageStore
 from edgeinfer.node.config import ConnectionLimits
-from edgeinfer.node.metering import UsageStore
 
 STREAM = {
     "model": "tiny",

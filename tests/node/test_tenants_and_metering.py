@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import time
 
 import pytest
 
-from edgeinfer.node.errors import ApiError
-from edgeinfer.node.files import load_table
-from edgeinfer.node.keys import generate_key, hash_key, main, tenant_snippet
-from edgeinfer.node.metering import UsageRecord, UsageStore
-from edgeinfer.node.prices import Price, PriceTable
-from edgeinfer.node.tenants import TenantRegistry, cache_namespace
+from edgeinfer.api.errors import ApiError
+from edgeinfer.api.files import load_table
+from edgeinfer.api.keys import generate_key, hash_key, tenant_snippet
+from edgeinfer.api.prices import Price
+from edgeinfer.api.tenants import TenantRegistry, cache_namespace
+from edgeinfer.node.billing.metering import UsageRecord, UsageStore
+from edgeinfer.node.billing.prices import PriceTable
+from edgeinfer.node.keys import main
 
 SECRET = b"s" * 32
+COLUMNS = [f.name for f in dataclasses.fields(UsageRecord)]
+
+
+def _record(*values: object) -> UsageRecord:
+    """A usage row from its values in the table's column order."""
+    return UsageRecord(**dict(zip(COLUMNS, values, strict=True)))  # type: ignore[arg-type]
 
 
 def test_toml_and_json_tenant_files(tmp_path) -> None:
@@ -113,8 +122,8 @@ def test_usage_store_is_append_only_and_sums_per_tenant(tmp_path) -> None:
     store = UsageStore(str(tmp_path / "u.sqlite"))
     now = time.time()
     for i, tenant in enumerate(["a", "a", "b"]):
-        store.append(UsageRecord(now + i, tenant, "m", f"r{i}", "completions", 200, 10, 4, 5, 0.5))
-    store.append(UsageRecord(now, "a", "other", "r9", "chat.completions", 499, 3, 0, 1, 0.1))
+        store.append(_record(now + i, tenant, "m", f"r{i}", "completions", 200, 10, 4, 5, 0.5))
+    store.append(_record(now, "a", "other", "r9", "chat.completions", 499, 3, 0, 1, 0.1))
     store.flush()
     summary = {row["model"]: row for row in store.summary("a")}
     assert summary["m"]["requests"] == 2 and summary["m"]["input_tokens"] == 20

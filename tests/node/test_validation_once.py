@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from edgeinfer.node.schemas import CompletionRequest
+from edgeinfer.api.schemas import CompletionRequest
 from edgeinfer.types.sampling import SamplingParams
 from edgeinfer.types.validation import SAMPLING_BOUNDS, Bound
 

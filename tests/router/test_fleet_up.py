@@ -202,7 +202,7 @@ def _alive(pid: int) -> bool:
 
 def test_stop_kills_a_process_that_ignores_sigterm_after_one_shared_deadline(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(up, "STOP_TIMEOUT_S", 1.0)
-    fleet = up.Fleet(tmp_path)
+    fleet = up.Supervisor(tmp_path)
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True)"
     stubborn += "; time.sleep(60)"
     for name in ("a", "b"):
@@ -218,7 +218,7 @@ def test_stop_kills_a_process_that_ignores_sigterm_after_one_shared_deadline(tmp
 
 def test_an_exited_process_is_restarted_with_a_doubling_backoff_then_left_down(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(up, "MAX_RESTARTS", 2)
-    fleet = up.Fleet(tmp_path)
+    fleet = up.Supervisor(tmp_path)
     fleet.spawn("crashy", [sys.executable, "-c", "print('started'); raise SystemExit(3)"])
     fleet.spawn("steady", [sys.executable, "-c", "import time; time.sleep(60)"])
     steady = fleet.procs[1][1]
@@ -245,7 +245,7 @@ def test_an_exited_process_is_restarted_with_a_doubling_backoff_then_left_down(t
 
 def test_restarts_outside_the_window_do_not_count(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(up, "MAX_RESTARTS", 1)
-    fleet = up.Fleet(tmp_path)
+    fleet = up.Supervisor(tmp_path)
     fleet.spawn("flaky", [sys.executable, "-c", "raise SystemExit(1)"])
     for hour in range(3):
         fleet.procs[0][1].wait(30)

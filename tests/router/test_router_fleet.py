@@ -19,10 +19,10 @@ import pytest
 from fleet_client import ALICE, ask, long_streams, metric, node_status, publishing, served_by, wait_until
 from helpers.router_fleet import KEYS, SECRET, LoopbackFleet, RouterThread, write_tenants
 
+from edgeinfer.api import router_trust
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.placement import PlacementConfig
 from edgeinfer.router.policy import PolicyConfig, rendezvous_order
-from edgeinfer.types import router_trust
 from edgeinfer.types.status import NodeStatus
 
 pytestmark = pytest.mark.timeout(300)
@@ -238,7 +238,7 @@ def test_emulated_rtt_delays_forwards_by_the_distance(loopback_fleet: LoopbackFl
 
 
 def test_sustained_demand_loads_a_cold_model_nearby(router: RouterThread):
-    """tiny-c is warm only in AMS, 6.5 ms from FRA: beyond this router's 5 ms "nearby", so FRA's demand
+    """tiny-c is warm only in AMS, 12.3 ms from FRA: beyond this router's 5 ms "nearby", so FRA's demand
     for it makes the placement loop ask fra-1 (which has it cold) to load it."""
     assert "tiny-c" not in node_status(router, "fra-1").models_warm
     served = []

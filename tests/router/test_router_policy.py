@@ -9,13 +9,14 @@ from collections import Counter
 import pytest
 
 from edgeinfer.router.cli import add_arguments, build_config
-from edgeinfer.router.geo import Location, RttTable, great_circle_km
+from edgeinfer.router.geo import Location, NetworkModel, RttTable, great_circle_km
 from edgeinfer.router.policy import (
     ModelCosts,
     NodeState,
     PolicyConfig,
     RequestFeatures,
     Snapshot,
+    Strategy,
     decide,
     estimate,
     is_busy,
@@ -30,11 +31,20 @@ CONFIG = PolicyConfig()
 
 def node(node_id: str, location: str, *, warm: bool = True, **kw: object) -> NodeState:
     fields: dict[str, object] = {"capacity": 4, "ts": NOW, **kw}
-    return NodeState(node_id, location, frozenset({"m"}), frozenset({"m"}) if warm else frozenset(), **fields)
+    models = frozenset({"m"})
+    return NodeState(
+        node_id=node_id,
+        location=location,
+        models_available=models,
+        models_warm=models if warm else frozenset(),
+        **fields,
+    )
 
 
 def req(location: str = "FRA", **kw: object) -> RequestFeatures:
-    return RequestFeatures("m", kw.pop("prompt_tokens", 100), location, **kw)  # type: ignore[arg-type]
+    return RequestFeatures(
+        model="m", prompt_tokens=kw.pop("prompt_tokens", 100), client_location=location, **kw
+    )  # type: ignore[arg-type]
 
 
 def route(nodes: list[NodeState], request: RequestFeatures | None = None, **kw: object):
@@ -47,14 +57,17 @@ def test_great_circle_and_rtt_are_plausible():
     assert 10_000 < great_circle_km(fra, sin) < 10_500
     assert RTT("FRA", "AMS") == RTT("AMS", "FRA") < RTT("FRA", "SIN")
     assert RTT.nearest_first("FRA") == ["FRA", "AMS", "SIN"]
+    # The router's model and the simulator's are one: a location's own clients pay the last mile only.
+    assert RTT("FRA", "FRA") == pytest.approx(NetworkModel().last_mile_ms / 1000)
     with pytest.raises(KeyError):
         RTT("FRA", "XXX")
 
 
 def test_rtt_matrix_overrides_geometry():
-    table = RttTable(LOCATIONS, {("FRA", "SIN"): 0.002})
-    assert table("SIN", "FRA") == 0.002
-    assert table.nearest_first("FRA")[1] == "SIN"
+    # Above the last mile a client pays even within its own location, below the distance to AMS.
+    table = RttTable(LOCATIONS, {("FRA", "SIN"): 0.006})
+    assert table("SIN", "FRA") == 0.006
+    assert table.nearest_first("FRA") == ["FRA", "SIN", "AMS"]
     with pytest.raises(ValueError, match="unknown location"):
         RttTable(LOCATIONS, {("FRA", "NYC"): 0.1})
 
@@ -77,7 +90,14 @@ def test_cold_nearby_loses_to_warm_neighbour_but_beats_far_warm():
 
 
 def test_loading_counts_half_the_cold_penalty():
-    loading = NodeState("fra", "FRA", frozenset({"m"}), models_loading=frozenset({"m"}), capacity=4, ts=NOW)
+    loading = NodeState(
+        node_id="fra",
+        location="FRA",
+        models_available=frozenset({"m"}),
+        models_loading=frozenset({"m"}),
+        capacity=4,
+        ts=NOW,
+    )
     assert estimate(Snapshot([loading], RTT, NOW), req(), loading, CONFIG).cold_s == CONFIG.cold_load_s / 2
 
 
@@ -114,10 +134,13 @@ def test_per_model_costs_bigger_model_cold_load_costs_more():
     costs = {"small": ModelCosts(cold_load_s=0.05), "big": ModelCosts(cold_load_s=20.0)}
     config = PolicyConfig(models=costs)
     both = frozenset({"small", "big"})
-    cold_fra = NodeState("fra", "FRA", both, capacity=4, ts=NOW)
-    warm_sin = NodeState("sin", "SIN", both, both, capacity=4, ts=NOW)
+    cold_fra = NodeState(node_id="fra", location="FRA", models_available=both, capacity=4, ts=NOW)
+    warm_sin = NodeState(
+        node_id="sin", location="SIN", models_available=both, models_warm=both, capacity=4, ts=NOW
+    )
     snap = Snapshot([cold_fra, warm_sin], RTT, NOW)
-    small, big = RequestFeatures("small", 100, "FRA"), RequestFeatures("big", 100, "FRA")
+    small = RequestFeatures(model="small", prompt_tokens=100, client_location="FRA")
+    big = RequestFeatures(model="big", prompt_tokens=100, client_location="FRA")
     assert estimate(snap, big, cold_fra, config).cold_s > estimate(snap, small, cold_fra, config).cold_s
     # Loading the small model nearby beats the far warm copy; for the big one, spilling far wins.
     assert decide(snap, small, random.Random(0), config).best.node_id == "fra"
@@ -150,7 +173,7 @@ def test_busy_thresholds_and_staleness_exclude_then_reject():
 def test_silent_nodes_drop_out_and_unknown_models_are_named():
     gone = node("a", "FRA", ts=NOW - CONFIG.drop_after_s - 1)
     assert route([gone]).kind == "unknown_model"
-    other = NodeState("x", "FRA", frozenset({"other"}), ts=NOW)
+    other = NodeState(node_id="x", location="FRA", models_available=frozenset({"other"}), ts=NOW)
     assert route([other]).kind == "unknown_model"
 
 
@@ -201,7 +224,8 @@ def test_baseline_strategies():
     fra = node("fra", "FRA", running=4, queue_depth=3)
     ams, sin = node("ams", "AMS", running=1), node("sin", "SIN")
     assert route([fra, ams, sin], strategy="nearest").best.node_id == "fra"
-    assert route([fra, ams, sin], strategy="least_loaded").best.node_id == "sin"
+    assert route([fra, ams, sin], strategy=Strategy.LEAST_LOADED).best.node_id == "sin"
+    assert route([fra, ams, sin], strategy="least_loaded").best.node_id == "sin"  # the older spelling
     assert route([fra, ams, sin]).best.node_id == "ams"
     with pytest.raises(ValueError, match="unknown routing strategy"):
         route([fra], strategy="random")
@@ -214,8 +238,8 @@ def test_ranked_lists_every_usable_node_once_for_retries():
     assert ranked[0].startswith("FRA") and ranked[1].startswith("AMS")
 
 
-def test_router_loads_no_engine_pool_or_torch():
-    """The router talks to nodes over HTTP only; it shares the node's torch-free API layer (schemas,
+def test_router_loads_no_node_engine_pool_or_torch():
+    """The router talks to nodes over HTTP only; it shares the torch-free `api` room with them (schemas,
     request validation, errors, tenants) so that its answers match a node's."""
     import subprocess
     import sys
@@ -223,7 +247,7 @@ def test_router_loads_no_engine_pool_or_torch():
     code = (
         "import sys, edgeinfer.router.app, edgeinfer.router.cli, edgeinfer.fleet.up; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or "
-        "m.startswith(('edgeinfer.engine', 'edgeinfer.pool'))))"
+        "m.startswith(('edgeinfer.engine', 'edgeinfer.pool', 'edgeinfer.node'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

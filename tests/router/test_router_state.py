@@ -20,7 +20,7 @@ FLEET = {
         }
     ]
 }
-REQUEST = RequestFeatures("m", 100, "FRA")
+REQUEST = RequestFeatures(model="m", prompt_tokens=100, client_location="FRA")
 
 
 def _state() -> FleetState:

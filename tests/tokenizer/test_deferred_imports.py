@@ -22,7 +22,8 @@ TEXTS = ["hello world", "the edge!", "<s>hi</s> <end_of_turn>x", "漢字 ok"]
 
 _PROBE = """
 import json, sys
-import edgeinfer.cli, edgeinfer.node.app, edgeinfer.node.cli, edgeinfer.engine.engine, edgeinfer.pool.manager
+import edgeinfer.cli, edgeinfer.node.http.app, edgeinfer.node.cli
+import edgeinfer.engine.engine, edgeinfer.pool.manager
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.runner.grammar import LazyGuidanceTokenizer
 from edgeinfer.engine.embedding.config import EmbeddingConfig

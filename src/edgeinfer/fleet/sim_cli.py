@@ -16,7 +16,7 @@ from pathlib import Path
 
 from edgeinfer.fleet.sim_report import write_report
 from edgeinfer.fleet.sim_run import simulate
-from edgeinfer.fleet.sim_scenario import POLICY_NAMES, Scenario, load_scenario
+from edgeinfer.fleet.sim_scenario import POLICY_NAMES, Scenario, load_scenario, parse_policies
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,10 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _overrides(scenario: Scenario, args: argparse.Namespace) -> Scenario:
     if args.policies:
-        names = tuple(p.strip() for p in args.policies.split(","))
-        unknown = [p for p in names if p not in POLICY_NAMES]
-        if unknown:
-            raise ValueError(f"unknown policies {unknown} (known: {', '.join(POLICY_NAMES)})")
+        names = parse_policies(p.strip() for p in args.policies.split(","))
         scenario = replace(scenario, policies=names)
     if args.seed is not None:
         scenario = replace(scenario, seed=args.seed)

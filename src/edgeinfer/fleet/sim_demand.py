@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgeinfer.fleet.sim_geo import Location
+from edgeinfer.fleet.sim_geo import Metro
 from edgeinfer.fleet.sim_scenario import Lengths, Scenario
 
 
@@ -47,7 +47,7 @@ def draw_lengths(rng: np.random.Generator, spec: Lengths, n: int) -> np.ndarray:
     return np.clip(np.rint(values), 1, spec.max).astype(np.int64)
 
 
-def generate(scenario: Scenario, locations: list[Location], rng: np.random.Generator) -> Arrivals:
+def generate(scenario: Scenario, locations: list[Metro], rng: np.random.Generator) -> Arrivals:
     d = scenario.demand
     weights = np.array([loc.population for loc in locations], dtype=float)
     weights /= weights.sum()

@@ -16,12 +16,13 @@ import numpy as np
 import simpy
 
 from edgeinfer.fleet.sim_demand import Arrivals
-from edgeinfer.fleet.sim_geo import EARTH_RADIUS_KM, FIBRE_KM_PER_MS, Location
+from edgeinfer.fleet.sim_geo import Metro
 from edgeinfer.fleet.sim_host import make_cpu
-from edgeinfer.fleet.sim_node import Board, Node, NodeLimits, SimRequest
+from edgeinfer.fleet.sim_node import Board, Node, NodeShape, SimRequest
 from edgeinfer.fleet.sim_profile import ModelProfile, Profile
 from edgeinfer.fleet.sim_scenario import Scenario
 from edgeinfer.router import policy as router_policy
+from edgeinfer.router.geo import EARTH_RADIUS_KM, NetworkModel
 
 
 class Records:
@@ -43,10 +44,8 @@ class Records:
         self.e2e[req.idx] = now - req.arrival + req.rtt_s + self.router_s
 
 
-class Fleet:
-    def __init__(
-        self, scenario: Scenario, profile: Profile, locations: list[Location], n_requests: int
-    ) -> None:
+class SimFleet:
+    def __init__(self, scenario: Scenario, profile: Profile, locations: list[Metro], n_requests: int) -> None:
         self.scenario, self.locations = scenario, locations
         self.env = simpy.Environment()
         self.cpu = make_cpu(self.env, scenario.host)  # one processor per node, or the host they share
@@ -81,15 +80,26 @@ class Fleet:
     # ---- construction ----------------------------------------------------------------------------
     def _build_nodes(self) -> None:
         nodes = self.scenario.nodes
-        limits = NodeLimits(nodes.memory_gb, nodes.max_batch, nodes.busy_queue, nodes.max_batched_tokens)
+        shape = NodeShape(
+            memory_gb=nodes.memory_gb,
+            max_batch=nodes.max_batch,
+            busy_queue=nodes.busy_queue,
+            max_batched_tokens=nodes.max_batched_tokens,
+        )
         pop = [m.popularity for m in self.scenario.models]
         for loc, count in enumerate(self.counts):
             here = []
             for primary in _largest_remainder(count, pop):
                 node = Node(
-                    self.env, len(self.nodes), loc, limits, self.board, self.records.first_token,
-                    self.records.finish, self.cpu,
-                )  # fmt: skip
+                    env=self.env,
+                    node_id=len(self.nodes),
+                    location=loc,
+                    shape=shape,
+                    board=self.board,
+                    on_first_token=self.records.first_token,
+                    on_finish=self.records.finish,
+                    cpu=self.cpu,
+                )
                 self._place(node, primary, pop)
                 self.nodes.append(node)
                 here.append(node)
@@ -100,7 +110,7 @@ class Fleet:
         for m in [primary, *by_popularity]:
             profile = self.model_profiles[m]
             used = sum(s.profile.memory_gb for s in node.slots.values())
-            if m not in node.slots and used + profile.memory_gb <= node.limits.memory_gb:
+            if m not in node.slots and used + profile.memory_gb <= node.shape.memory_gb:
                 node.ensure_model(m, profile, preload=True)
 
     # ---- what the router's policy sees ------------------------------------------------------------
@@ -163,7 +173,8 @@ class Fleet:
         ):
             if t > env.now:
                 yield env.timeout(t - env.now)
-            req = SimRequest(i, model, prompt, output, key, plen, t, 0.0)
+            req = SimRequest(idx=i, model=model, prompt=prompt, output=output, prefix_key=key,
+                             prefix_len=plen, arrival=t, rtt_s=0.0)  # fmt: skip
             self.cpu.background(requests=1)  # the router's and the client's part, served or not
             ranked = policy.choose(req, city)
             for node in ranked if policy.retries else ranked[:1]:
@@ -195,17 +206,18 @@ def model_costs(
     )
 
 
-def rtt_matrix(locations: list[Location], inflation: float, last_mile_ms: float) -> np.ndarray:
-    """Seconds between every pair, as sim_geo.NetworkModel.rtt_ms (haversine, vectorised)."""
+def rtt_matrix(locations: list[Metro], inflation: float, last_mile_ms: float) -> np.ndarray:
+    """Seconds between every pair, by the router's network model (router/geo.py) over a vectorised
+    haversine."""
     lat = np.radians([loc.lat for loc in locations])
     lon = np.radians([loc.lon for loc in locations])
     dlat, dlon = lat[:, None] - lat[None, :], lon[:, None] - lon[None, :]
     h = np.sin(dlat / 2) ** 2 + np.cos(lat)[:, None] * np.cos(lat)[None, :] * np.sin(dlon / 2) ** 2
     km = 2 * EARTH_RADIUS_KM * np.arcsin(np.minimum(1.0, np.sqrt(h)))
-    return (2 * km / FIBRE_KM_PER_MS * inflation + last_mile_ms) / 1000
+    return NetworkModel(path_inflation=inflation, last_mile_ms=last_mile_ms).rtt_s_from_km(km)
 
 
-def apportion(scenario: Scenario, locations: list[Location]) -> list[int]:
+def apportion(scenario: Scenario, locations: list[Metro]) -> list[int]:
     nodes = scenario.nodes
     if nodes.per_location:
         if len(nodes.per_location) != len(locations):

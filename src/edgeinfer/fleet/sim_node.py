@@ -27,8 +27,10 @@ from edgeinfer.fleet.sim_host import Dedicated, SharedHost
 from edgeinfer.fleet.sim_profile import ModelProfile
 
 
-@dataclass(frozen=True)
-class NodeLimits:
+@dataclass(frozen=True, kw_only=True)
+class NodeShape:
+    """One simulated accelerator's size: its memory, batch slots per model, and when it counts as busy."""
+
     memory_gb: float
     max_batch: int
     busy_queue: int
@@ -49,7 +51,7 @@ class SimRequest:
     __slots__ = ("arrival", "cached", "context", "generated", "idx", "model", "output", "prefix_key",
                  "prefix_len", "prompt", "rtt_s")  # fmt: skip
 
-    def __init__(self, idx, model, prompt, output, prefix_key, prefix_len, arrival, rtt_s) -> None:
+    def __init__(self, *, idx, model, prompt, output, prefix_key, prefix_len, arrival, rtt_s) -> None:
         self.idx, self.model, self.prompt, self.output = idx, model, prompt, output
         self.prefix_key, self.prefix_len, self.arrival, self.rtt_s = prefix_key, prefix_len, arrival, rtt_s
         self.generated = 0
@@ -92,16 +94,17 @@ class ModelSlot:
 class Node:
     def __init__(
         self,
+        *,
         env: simpy.Environment,
         node_id: int,
         location: int,
-        limits: NodeLimits,
+        shape: NodeShape,
         board: Board,
         on_first_token: Callable[[SimRequest, float], None],
         on_finish: Callable[[SimRequest, float], None],
         cpu: Dedicated | SharedHost,
     ) -> None:
-        self.env, self.node_id, self.location, self.limits = env, node_id, location, limits
+        self.env, self.node_id, self.location, self.shape = env, node_id, location, shape
         self.board, self.cpu = board, cpu
         self.name = f"n{node_id}"
         self.on_first_token, self.on_finish = on_first_token, on_finish
@@ -127,7 +130,7 @@ class Node:
     @property
     def capacity(self) -> int:
         """Sequence slots of all resident models, as a node's NodeStatus reports it."""
-        return self.limits.max_batch * max(1, len(self.slots))
+        return self.shape.max_batch * max(1, len(self.slots))
 
     def _residency_changed(self) -> None:
         now = self.env.now
@@ -140,17 +143,17 @@ class Node:
 
     @property
     def saturated(self) -> bool:
-        return self.queue_depth >= self.limits.busy_queue
+        return self.queue_depth >= self.shape.busy_queue
 
     # ---- placement -------------------------------------------------------------------------------
     def can_host(self, profile: ModelProfile) -> bool:
-        return profile.memory_gb <= self.limits.memory_gb
+        return profile.memory_gb <= self.shape.memory_gb
 
     def ensure_model(self, model: int, profile: ModelProfile, preload: bool = False) -> bool:
         """Make `model` resident (now if `preload`, else after its cold-load time), evicting idle models."""
         if model in self.slots:
             return True
-        free = self.limits.memory_gb - sum(s.profile.memory_gb for s in self.slots.values())
+        free = self.shape.memory_gb - sum(s.profile.memory_gb for s in self.slots.values())
         idle = sorted((s for s in self.slots.values() if not s.waiting and not s.running), key=_lru)
         evicted = False
         while free < profile.memory_gb and idle:
@@ -188,7 +191,7 @@ class Node:
         self.changed = True
         self.board.in_flight[self.node_id] += 1
         self.board.saturated[self.node_id] = self.saturated
-        if slot.ready_at <= self.env.now and len(slot.running) < self.limits.max_batch:
+        if slot.ready_at <= self.env.now and len(slot.running) < self.shape.max_batch:
             self._poke()
         return True
 
@@ -209,12 +212,12 @@ class Node:
                 yield self._wake
 
     def _admit(self) -> list[tuple[ModelSlot, SimRequest]]:
-        now, budget = self.env.now, self.limits.max_batched_tokens
+        now, budget = self.env.now, self.shape.max_batched_tokens
         admitted: list[tuple[ModelSlot, SimRequest]] = []
         for slot in self.slots.values():
             if slot.ready_at > now:
                 continue
-            while slot.waiting and len(slot.running) < self.limits.max_batch:
+            while slot.waiting and len(slot.running) < self.shape.max_batch:
                 req = slot.waiting[0]
                 cached = slot.cached_tokens(req)
                 need = req.prompt + req.output - cached

@@ -1,11 +1,12 @@
 """Routing policies in the simulator: the router's own `policy.decide` and three baselines.
 
-- `router`: `edgeinfer.router.policy.decide` (strategy "ttft"), imported, never copied. It sees a snapshot of
-  the nodes in the `candidate_locations` locations nearest the client (a regional router's view; ranking all
-  ~600 nodes per request would dominate the run time and the far ones never win), live state (no staleness),
-  the session's affinity key, and the prefix the session's last node holds. It returns a ranked list; the
-  request goes to the first node that accepts it, as the router retries down the list.
-- `nearest`: `decide(..., strategy="nearest")` from the same module: the nearest location with the model warm.
+- `router`: `edgeinfer.router.policy.decide` (`Strategy.TTFT`), imported, never copied. It sees a snapshot
+  of the nodes in the `candidate_locations` locations nearest the client (a regional router's view; ranking
+  every node of the fleet per request would dominate the run time and the far ones never win), live state
+  (no staleness), the session's affinity key, and the prefix the session's last node holds. It returns a
+  ranked list; the request goes to the first node that accepts it, as the router retries down the list.
+- `nearest`: `decide(..., strategy=Strategy.NEAREST)` from the same module: the nearest location with the
+  model warm.
 - `least-loaded`: the least loaded node (in flight per slot) in the whole fleet that is not saturated, warm
   ones before cold ones, ignoring distance. Written here over numpy arrays because the module's version
   ranks every node per request.
@@ -15,15 +16,17 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edgeinfer.fleet.sim_scenario import SimPolicy
 from edgeinfer.router import policy as router_policy
+from edgeinfer.router.policy import DecisionKind, Strategy
 
 if TYPE_CHECKING:
-    from edgeinfer.fleet.sim_fleet import Fleet
+    from edgeinfer.fleet.sim_fleet import SimFleet
     from edgeinfer.fleet.sim_node import Node, SimRequest
 
 
@@ -32,10 +35,10 @@ class RouterPolicy:
 
     module = router_policy
 
-    def __init__(self, fleet: Fleet, strategy: str = "ttft") -> None:
+    def __init__(self, fleet: SimFleet, strategy: Strategy = Strategy.TTFT) -> None:
         self.fleet, self.strategy = fleet, strategy
         # The router retries down its ranked list on 429; the nearest-only baseline does not spill.
-        self.retries = strategy == "ttft"
+        self.retries = strategy is Strategy.TTFT
         self.rng = random.Random(fleet.scenario.seed)
         self.config = fleet.policy_config()
         self.last_node: dict[int, Node] = {}  # session -> node of its previous turn
@@ -56,7 +59,7 @@ class RouterPolicy:
         )
         self.calls += 1
         decision = self.module.decide(snapshot, features, self.rng, self.config, self.strategy)
-        if decision.kind != "route":
+        if decision.kind is not DecisionKind.ROUTE:
             return ()
         ranked = [fleet.node_by_name[c.node_id] for c in decision.ranked]
         if session and ranked:
@@ -67,12 +70,12 @@ class RouterPolicy:
 class LeastLoaded:
     retries = False
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: SimFleet) -> None:
         self.fleet = fleet
 
     def choose(self, req: SimRequest, city: int) -> Sequence[Node]:
         board = self.fleet.board
-        # As the module's least_loaded baseline: busy nodes out, warm before cold, then in-flight per slot.
+        # As the module's least-loaded baseline: busy nodes out, warm before cold, then in-flight per slot.
         load = board.in_flight / board.capacity + np.where(board.warm[req.model], 0.0, 1e6)
         load[board.saturated] = np.inf
         best = int(np.argmin(load))
@@ -82,7 +85,7 @@ class LeastLoaded:
 class RoundRobin:
     retries = False
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: SimFleet) -> None:
         self.fleet = fleet
         self.next: dict[int, int] = {}
 
@@ -99,13 +102,18 @@ class RoundRobin:
         return (nodes[pick],)
 
 
-def make_policy(name: str, fleet: Fleet):
-    if name == "router":
-        return RouterPolicy(fleet, "ttft")
-    if name == "nearest":
-        return RouterPolicy(fleet, "nearest")
-    if name == "least-loaded":
-        return LeastLoaded(fleet)
-    if name == "round-robin":
-        return RoundRobin(fleet)
-    raise ValueError(f"unknown policy {name!r}")
+POLICIES: dict[SimPolicy, Callable[[SimFleet], RouterPolicy | LeastLoaded | RoundRobin]] = {
+    SimPolicy.ROUTER: lambda fleet: RouterPolicy(fleet, Strategy.TTFT),
+    SimPolicy.NEAREST: lambda fleet: RouterPolicy(fleet, Strategy.NEAREST),
+    SimPolicy.LEAST_LOADED: LeastLoaded,
+    SimPolicy.ROUND_ROBIN: RoundRobin,
+}
+
+
+def make_policy(name: str, fleet: SimFleet) -> RouterPolicy | LeastLoaded | RoundRobin:
+    """The policy `name` (a SimPolicy or its name) over `fleet`."""
+    try:
+        policy = SimPolicy(name)
+    except ValueError:
+        raise ValueError(f"unknown policy {name!r}") from None
+    return POLICIES[policy](fleet)

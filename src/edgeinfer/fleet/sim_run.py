@@ -9,8 +9,8 @@ from datetime import datetime
 import numpy as np
 
 from edgeinfer.fleet.sim_demand import Arrivals, generate
-from edgeinfer.fleet.sim_fleet import Fleet
-from edgeinfer.fleet.sim_geo import Location, world_metros
+from edgeinfer.fleet.sim_fleet import SimFleet
+from edgeinfer.fleet.sim_geo import Metro, world_metros
 from edgeinfer.fleet.sim_policies import make_policy
 from edgeinfer.fleet.sim_profile import Profile, load_profile
 from edgeinfer.fleet.sim_scenario import Scenario
@@ -19,7 +19,7 @@ from edgeinfer.fleet.sim_scenario import Scenario
 @dataclass
 class PolicyRun:
     policy: str
-    fleet: Fleet
+    fleet: SimFleet
     wall_s: float
 
 
@@ -27,12 +27,12 @@ class PolicyRun:
 class SimResult:
     scenario: Scenario
     profile: Profile
-    locations: list[Location]
+    locations: list[Metro]
     arrivals: Arrivals
     runs: list[PolicyRun]
 
 
-def build_locations(scenario: Scenario) -> list[Location]:
+def build_locations(scenario: Scenario) -> list[Metro]:
     spec = scenario.locations
     if spec.source == "world":
         when = datetime.fromisoformat(scenario.start.removesuffix("Z"))
@@ -44,8 +44,8 @@ def build_locations(scenario: Scenario) -> list[Location]:
     raise ValueError(f"unknown locations.source {spec.source!r} (world, list)")
 
 
-def _site(raw: dict) -> Location:
-    return Location(
+def _site(raw: dict) -> Metro:
+    return Metro(
         code=raw["code"],
         name=raw.get("name", raw["code"]),
         lat=float(raw["lat"]),
@@ -70,12 +70,12 @@ def simulate(scenario: Scenario, progress: bool = False, accelerators: int | Non
 def run_policy(
     scenario: Scenario,
     profile: Profile,
-    locations: list[Location],
+    locations: list[Metro],
     arrivals: Arrivals,
     name: str,
     progress: bool,
 ) -> PolicyRun:
-    fleet = Fleet(scenario, profile, locations, len(arrivals))
+    fleet = SimFleet(scenario, profile, locations, len(arrivals))
     policy = make_policy(name, fleet)
     bar = _bar(name, len(arrivals)) if progress else None
     started = time.perf_counter()

@@ -7,15 +7,42 @@ Relative paths (the profile) resolve against the scenario's folder, then against
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from edgeinfer.fleet.sim_geo import NetworkModel
+from edgeinfer.fleet.sim_geo import SimNetwork
 from edgeinfer.fleet.sim_host import HostSpec
+from edgeinfer.router.policy import PolicyName
 
 PACKAGED = Path(__file__).parent
-POLICY_NAMES = ("router", "nearest", "least-loaded", "round-robin")
+
+
+class SimPolicy(PolicyName):
+    """The policies a scenario compares: the router's own and three baselines (sim_policies.py)."""
+
+    ROUTER = "router"
+    NEAREST = "nearest"
+    LEAST_LOADED = "least-loaded"
+    ROUND_ROBIN = "round-robin"
+
+
+POLICY_NAMES = tuple(SimPolicy)
+
+
+def parse_policies(names: Iterable[str]) -> tuple[SimPolicy, ...]:
+    """Policies by name; ValueError naming the unknown ones."""
+    known: list[SimPolicy] = []
+    unknown: list[str] = []
+    for name in names:
+        try:
+            known.append(SimPolicy(name))
+        except ValueError:
+            unknown.append(name)
+    if unknown:
+        raise ValueError(f"unknown policies {unknown} (known: {', '.join(POLICY_NAMES)})")
+    return tuple(known)
 
 
 @dataclass(frozen=True)
@@ -86,14 +113,14 @@ class Scenario:
     seed: int = 0
     duration_s: float = 3600.0
     start: str = "2026-06-01T00:00:00"
-    network: NetworkModel = field(default_factory=NetworkModel)
+    network: SimNetwork = field(default_factory=SimNetwork)
     locations: Locations = field(default_factory=Locations)
     demand: Demand = field(default_factory=Demand)
     models: tuple[ModelDemand, ...] = ()
     nodes: Nodes = field(default_factory=Nodes)
     report: Report = field(default_factory=Report)
     host: HostSpec = field(default_factory=HostSpec)  # cores = 0: every node a processor of its own
-    policies: tuple[str, ...] = POLICY_NAMES
+    policies: tuple[SimPolicy, ...] = POLICY_NAMES
     base_dir: Path = PACKAGED
 
     def profile_path(self) -> Path:
@@ -117,12 +144,9 @@ def parse_scenario(raw: dict[str, Any], name: str = "scenario", base_dir: Path =
     models = tuple(_model(m) for m in raw.pop("models", ()))
     if not models:
         raise ValueError("a scenario needs at least one [[models]] entry")
-    policies = tuple(raw.pop("policies", POLICY_NAMES))
-    unknown = [p for p in policies if p not in POLICY_NAMES]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown} (known: {', '.join(POLICY_NAMES)})")
+    policies = parse_policies(raw.pop("policies", POLICY_NAMES))
     sections = {
-        "network": NetworkModel,
+        "network": SimNetwork,
         "locations": Locations,
         "demand": Demand,
         "nodes": Nodes,

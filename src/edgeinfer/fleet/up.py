@@ -1,8 +1,8 @@
 """`edgeinfer fleet up`: a whole fleet on loopback — NATS, one node and one router per location.
 
 Every process is a child of this one. One that exits once the fleet is up is restarted on its port, with a
-backoff, and left down if it keeps exiting (`Fleet.check`); Ctrl-C (or SIGTERM) stops routers, then nodes,
-then NATS.
+backoff, and left down if it keeps exiting (`Supervisor.check`); Ctrl-C (or SIGTERM) stops routers, then
+nodes, then NATS.
 """
 
 from __future__ import annotations
@@ -97,7 +97,9 @@ class _Member:
     down: bool = False  # given up on
 
 
-class Fleet:
+class Supervisor:
+    """The fleet's processes: started, watched, restarted when they exit, stopped in order."""
+
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
@@ -209,7 +211,7 @@ def run_fleet(
     layout = plan(count)
     (workdir / "fleet.toml").write_text(layout.fleet_toml())
     (workdir / "router-secret").write_text(secrets.token_hex(32))
-    fleet = Fleet(workdir)
+    fleet = Supervisor(workdir)
     fleet.adopt(NATS, start_nats(layout.nats_port, workdir / "nats.log"), nats_args(layout.nats_port))
     nats_url = f"nats://127.0.0.1:{layout.nats_port}"
     py = [sys.executable, "-m"]

@@ -6,37 +6,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edgeinfer.api.limits import NodeLimits
+
 
 def default_usage_db() -> str:
     """`$XDG_STATE_HOME/edgeinfer/usage.sqlite` (default `~/.local/state/...`)."""
     state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return str(Path(state) / "edgeinfer" / "usage.sqlite")
-
-
-@dataclass(frozen=True)
-class NodeLimits:
-    """Per-request bounds; anything above them is refused with 400 (413 for the body)."""
-
-    max_prompt_tokens: int = 32768
-    max_tokens: int = 4096
-    max_n: int = 8
-    max_top_logprobs: int = 20
-    max_stop: int = 16
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_queue_depth: int = 256
-    workers_ai_default_max_tokens: int = 256
-    # OpenAI's own limit on inputs per embeddings request.
-    max_embedding_inputs: int = 2048
-    # Timing hygiene (opt-in): a request served partly from the prefix cache sends its first token no
-    # earlier than the next multiple of this many ms after arrival, so its TTFT says less about what was
-    # cached. Tenants never share blocks (their own hits are all they can see), so this is for deployments
-    # whose tenants hold many users; 0: off.
-    ttft_bucket_ms: int = 0
-
-    def __post_init__(self) -> None:
-        for name in self.__dataclass_fields__:
-            if getattr(self, name) < (0 if name == "ttft_bucket_ms" else 1):
-                raise ValueError(f"limit {name} must be >= {0 if name == 'ttft_bucket_ms' else 1}")
 
 
 @dataclass(frozen=True)
@@ -56,7 +32,7 @@ class ConnectionLimits:
                 raise ValueError(f"{name.replace('_', '-')} must be > 0")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NodeConfig:
     """How the server authenticates, meters and bounds requests. The pool is configured separately."""
 
@@ -79,10 +55,10 @@ class NodeConfig:
     status_interval_s: float = 0.1
     # Shared with the routers: a request signed with it carries a tenant the node trusts (router_trust).
     router_secret: bytes | None = None
-    # The interpreter's switch interval, set once when the server starts (server.configure_process). An
-    # engine's step thread releases the GIL inside every torch op and takes it back hundreds of times a
-    # step; while the event loop holds it (rendering and writing stream chunks) each retake can wait up to
-    # this long (Python's default is 5 ms). docs/benchmarks.md has what 0.5 ms bought.
+    # The interpreter's switch interval, set once when the server starts (http/server.configure_process).
+    # An engine's step thread releases the GIL inside every torch op and takes it back many times a step;
+    # while the event loop holds it (rendering and writing stream chunks) each retake can wait this long,
+    # so a short interval keeps the engine stepping (docs/benchmarks.md has what it bought).
     switch_interval_s: float = 0.0005
 
     def __post_init__(self) -> None:

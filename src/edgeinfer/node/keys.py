@@ -11,28 +11,11 @@ $ python -m edgeinfer.node.keys hash ei-3q5...      # hash an existing key
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 import sys
 
-KEY_PREFIX = "ei-"
+from edgeinfer.api.keys import generate_key, hash_key, tenant_snippet
 
-
-def hash_key(key: str) -> str:
-    """Hex SHA-256 of an API key, as written in the tenants file."""
-    if not key:
-        raise ValueError("an API key must be non-empty")
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-def generate_key() -> str:
-    """A new random key (256 bits of entropy)."""
-    return KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-def tenant_snippet(name: str, key: str) -> str:
-    """The TOML entry for a tenants file."""
-    return f'[[tenants]]\nname = "{name}"\nkey_sha256 = "{hash_key(key)}"\n'
+__all__ = ["generate_key", "hash_key", "main", "tenant_snippet"]
 
 
 def main(argv: list[str]) -> int:

@@ -9,22 +9,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgeinfer.node.capacity import Reservation
-from edgeinfer.node.embeddings import EmbeddingJob
-from edgeinfer.node.errors import ApiError
-from edgeinfer.node.jobs import Job, Outcome
-from edgeinfer.node.metering import STATUS_INTERRUPTED, UsageRecord, UsageStore
-from edgeinfer.node.prices import PriceTable
-from edgeinfer.node.ratelimit import Admission
-from edgeinfer.node.tenants import Tenant
+from edgeinfer.api.embeddings import EmbeddingJob
+from edgeinfer.api.errors import ApiError
+from edgeinfer.api.jobs import Job
+from edgeinfer.api.tenants import Tenant
+from edgeinfer.node.backends.base import Outcome
+from edgeinfer.node.billing.capacity import Reservation
+from edgeinfer.node.billing.metering import STATUS_INTERRUPTED, UsageRecord, UsageStore
+from edgeinfer.node.billing.prices import PriceTable
+from edgeinfer.node.billing.ratelimit import Admission
 from edgeinfer.obs.metrics import NodeMetrics, RequestMeasure
 from edgeinfer.pool.manager import Lease
 from edgeinfer.types import Usage
 
-STATUS_CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer was complete"
 
-
-@dataclass
+@dataclass(kw_only=True)
 class RequestRun:
     """Holds the lease and the rate-limit admission of one request until `finish` releases them.
 

@@ -7,19 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import Request
 
-from edgeinfer.node.backends import open_backend
-from edgeinfer.node.capacity import Capacity
-from edgeinfer.node.config import NodeLimits
-from edgeinfer.node.disconnect import ClientDisconnected, until_disconnect
-from edgeinfer.node.embedding_run import EmbeddingOutcome, embedding_inputs, run_embeddings
-from edgeinfer.node.embeddings import EmbeddingJob, wrong_task
-from edgeinfer.node.errors import (
+from edgeinfer.api.embeddings import EmbeddingJob
+from edgeinfer.api.errors import (
     ApiError,
     bad_request,
     busy,
@@ -27,17 +21,26 @@ from edgeinfer.node.errors import (
     model_not_found,
     rate_limited,
     unavailable,
-    unexpected,
     upstream_failed,
 )
-from edgeinfer.node.jobs import Backend, ChoiceDelta, Job
-from edgeinfer.node.metering import UsageStore
-from edgeinfer.node.prices import PriceTable
-from edgeinfer.node.ratelimit import Admission, RateLimiter, RateLimitExceeded
-from edgeinfer.node.render import DONE, Collected, Renderer, sse
-from edgeinfer.node.run import STATUS_CLIENT_CLOSED, RequestRun
-from edgeinfer.node.sse_response import SSEResponse
-from edgeinfer.node.tenants import Tenant, TenantRegistry
+from edgeinfer.api.jobs import Job
+from edgeinfer.api.limits import NodeLimits
+from edgeinfer.api.tenants import Tenant, TenantRegistry
+from edgeinfer.node.backends.base import Backend
+from edgeinfer.node.backends.embedding_run import (
+    EmbeddingOutcome,
+    embedding_inputs,
+    run_embeddings,
+    wrong_task,
+)
+from edgeinfer.node.backends.registry import open_backend
+from edgeinfer.node.billing.capacity import Capacity
+from edgeinfer.node.billing.metering import UsageStore
+from edgeinfer.node.billing.prices import PriceTable
+from edgeinfer.node.billing.ratelimit import Admission, RateLimiter, RateLimitExceeded
+from edgeinfer.node.http.answer import respond, stream
+from edgeinfer.node.http.render import Renderer
+from edgeinfer.node.run import RequestRun
 from edgeinfer.obs.metrics import NodeMetrics
 from edgeinfer.pool.manager import Lease, ModelPool, PoolCapacityError, UnknownModelError
 from edgeinfer.pool.member import EMBED, PoolMember
@@ -49,6 +52,7 @@ logger = logging.getLogger("edgeinfer.node")
 class NodeService:
     def __init__(
         self,
+        *,
         limits: NodeLimits,
         pool: ModelPool,
         tenants: TenantRegistry,
@@ -86,8 +90,8 @@ class NodeService:
         run, backend = await self._start(job, tenant, model, access)
         renderer = renderer_cls(job, backend.version)
         if job.stream:
-            return await self._stream(request, run, backend, renderer, headers)
-        return await self._respond(request, run, backend, renderer, headers)
+            return await stream(request, run, backend, renderer, headers, self.stream_write_timeout_s)
+        return await respond(request, run, backend, renderer, headers)
 
     def model_task(self, name: str) -> str:
         """generate or embed, for a model name or alias (404 if unknown)."""
@@ -126,7 +130,16 @@ class NodeService:
             admission.cancel()
             raise
         return RequestRun(
-            job, tenant, model, admission, lease, self.metrics, self.store, self.prices, access, self._live
+            job=job,
+            tenant=tenant,
+            model=model,
+            admission=admission,
+            lease=lease,
+            metrics=self.metrics,
+            store=self.store,
+            prices=self.prices,
+            access=access,
+            live=self._live,
         )
 
     async def _start(
@@ -161,43 +174,6 @@ class NodeService:
         except (ValueError, OSError):  # a checkpoint that cannot be read or built
             logger.exception("loading model %s failed", model)
             raise internal(f"model {model} failed to load; the server log has the details") from None
-
-    async def _respond(
-        self, request: Request, run: RequestRun, backend: Backend, renderer: Renderer, headers: dict[str, str]
-    ) -> Response:
-        collected = Collected()
-        status = 500
-        run.start()
-        try:
-            await until_disconnect(request, _collect(backend.run(run.job, run.outcome), collected))
-            status = 200
-        except ApiError as exc:
-            status = exc.status
-            raise
-        except ClientDisconnected:
-            status = STATUS_CLIENT_CLOSED
-            return Response(status_code=STATUS_CLIENT_CLOSED)
-        finally:
-            run.finish(status)
-        headers["x-edgeinfer-timing"] = run.outcome.latency.header_value()
-        return JSONResponse(renderer.response(collected, run.outcome.usage), headers=headers)
-
-    async def _stream(
-        self, request: Request, run: RequestRun, backend: Backend, renderer: Renderer, headers: dict[str, str]
-    ) -> Response:
-        deltas = backend.run(run.job, run.outcome)
-        run.start()
-        # Wait for the first delta before answering, so errors found by the engine on admission
-        # (context too long, ...) still get a proper HTTP status instead of an event mid-stream.
-        try:
-            first = await until_disconnect(request, _first(deltas))
-        except BaseException as exc:
-            await deltas.aclose()
-            run.finish(_status_of(exc))
-            if isinstance(exc, ClientDisconnected):
-                return Response(status_code=STATUS_CLIENT_CLOSED)
-            raise
-        return SSEResponse(_events(run, renderer, first, deltas), headers, self.stream_write_timeout_s)
 
     async def checkpoint_usage(self, interval_s: float) -> None:
         """Forever: every `interval_s`, save the usage of every request in flight."""
@@ -239,53 +215,6 @@ def _admit(limiter: RateLimiter, tenant: Tenant) -> Admission:
 def _limit_error(exc: RateLimitExceeded) -> ApiError:
     # A request that can never fit the window is the client's to fix, not to retry.
     return bad_request(exc.message) if exc.retry_after is None else rate_limited(exc.message, exc.retry_after)
-
-
-def _status_of(exc: BaseException) -> int:
-    if isinstance(exc, ApiError):
-        return exc.status
-    if isinstance(exc, ClientDisconnected | asyncio.CancelledError):
-        return STATUS_CLIENT_CLOSED
-    return 500
-
-
-async def _collect(deltas: AsyncIterator[ChoiceDelta], collected: Collected) -> None:
-    async for delta in deltas:
-        collected.add(delta)
-
-
-async def _first(deltas: AsyncGenerator[ChoiceDelta, None]) -> ChoiceDelta | None:
-    return await anext(deltas, None)
-
-
-async def _events(
-    run: RequestRun, renderer: Renderer, first: ChoiceDelta | None, deltas: AsyncGenerator[ChoiceDelta, None]
-) -> AsyncGenerator[bytes, None]:
-    """The SSE body. Until it completes the status is 499: a closed connection ends it via cancellation."""
-    status = STATUS_CLIENT_CLOSED
-    try:
-        if first is not None:
-            yield sse(renderer.chunk(first))
-        async for delta in deltas:
-            yield sse(renderer.chunk(delta))
-        for chunk in renderer.final_chunks(run.outcome.usage):
-            yield sse(chunk)
-        yield DONE
-        status = 200
-    except ApiError as exc:
-        status = exc.status
-        yield sse(renderer.error_event(exc))
-        yield DONE
-    except Exception:
-        logger.exception("stream %s failed", run.job.request_id)
-        status = 500
-        yield sse(renderer.error_event(unexpected(run.access["request_id"])))
-        yield DONE
-    finally:
-        try:
-            await deltas.aclose()
-        finally:
-            run.finish(status)
 
 
 def _reserve_tokens(run: RequestRun, tokens: int) -> None:

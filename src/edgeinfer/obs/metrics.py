@@ -36,7 +36,7 @@ def histogram(
     return Histogram(name, doc, list(labels), buckets=buckets, registry=registry)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineGauges:
     """A resident model's scheduler and cache state at scrape time (counters are cumulative per engine).
 

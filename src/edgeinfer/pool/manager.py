@@ -18,7 +18,7 @@ from typing import Protocol
 
 from edgeinfer.pool.loader import MemberLoader
 from edgeinfer.pool.member import PoolMember
-from edgeinfer.pool.policy import DecayingRate, EvictionPolicy, ResidentView, TrafficWeightedLRU
+from edgeinfer.pool.policy import DecayingRate, ModelEvictionPolicy, ResidentView, TrafficWeightedLRU
 from edgeinfer.pool.spec import UPSTREAM, MemberSpec
 
 logger = logging.getLogger("edgeinfer.pool")
@@ -99,7 +99,7 @@ class ModelPool:
         specs: Iterable[MemberSpec],
         loader: MemberLoader,
         budget_bytes: int | None = None,
-        policy: EvictionPolicy | None = None,
+        policy: ModelEvictionPolicy | None = None,
         listener: PoolListener | None = None,
         clock: Callable[[], float] = time.monotonic,
         rate_half_life_s: float = 60.0,

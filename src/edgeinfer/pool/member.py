@@ -2,7 +2,7 @@
 
 Every member answers the same small protocol: `stats()` (its load, for admission, `/metrics` and the
 fleet status) and `health()`; the node generates through the backend registered for the member's `kind`
-(node/backends.py), and a generation is aborted by closing its stream.
+(node/backends/registry.py), and a generation is aborted by closing its stream.
 """
 
 from __future__ import annotations

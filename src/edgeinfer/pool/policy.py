@@ -51,14 +51,14 @@ class ResidentView:
         return not self.pinned and self.in_flight == 0 and self.memory_bytes > 0
 
 
-class EvictionPolicy(abc.ABC):
+class ModelEvictionPolicy(abc.ABC):
     """Chooses victims among resident models; returns None when no choice frees enough."""
 
     @abc.abstractmethod
     def choose_victims(self, residents: list[ResidentView], bytes_needed: int) -> list[str] | None: ...
 
 
-class TrafficWeightedLRU(EvictionPolicy):
+class TrafficWeightedLRU(ModelEvictionPolicy):
     """LRU where recent traffic buys a model time: evict the largest `idle_s / (1 + recent_requests)`.
 
     A model idle 60 s that saw 30 recent requests scores ~1.9 and outlives one idle 10 s that saw none

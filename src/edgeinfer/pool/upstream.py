@@ -10,7 +10,7 @@ from edgeinfer.pool.member import MemberStats, PoolMember
 from edgeinfer.pool.upstream_stats import StatsPoller
 
 if TYPE_CHECKING:  # httpx is imported where it is used: every node imports this module at start, and
-    import httpx  # httpx (with its CLI's rich) is ~0.1 s of a start that fronts no upstream engine
+    import httpx  # httpx (with its CLI's rich) is a noticeable part of a start that fronts no upstream
 
 # How often an upstream's own metrics are read: admission (rejectIfBusy, queue depth) sees its queue at
 # most this stale.

@@ -12,9 +12,9 @@ import httpx
 from fastapi import FastAPI
 
 from edgeinfer import __version__
-from edgeinfer.node import error_handlers
-from edgeinfer.node.files import load_table
-from edgeinfer.node.tenants import TenantRegistry
+from edgeinfer.api.files import load_table
+from edgeinfer.api.http import error_handlers
+from edgeinfer.api.tenants import TenantRegistry
 from edgeinfer.router import routes, status_page
 from edgeinfer.router.body_limit import BodyLimit
 from edgeinfer.router.breaker import CircuitBreaker
@@ -31,8 +31,8 @@ from edgeinfer.router.state import FleetState
 logger = logging.getLogger("edgeinfer.router")
 # Forwards go through this many independent connection pools, in turn (same limits in total): httpcore's
 # pool walks all its connections (and, for each idle one, all of them again) on every request and every
-# response, so one pool of N connections costs O(N^2) per request; at 256 streams on one core that took
-# the router from ~420 to ~30 requests/s (docs/benchmarks.md, router-latency).
+# response, so one pool of N connections costs O(N^2) per request, which dominates a busy router
+# (docs/benchmarks.md, router-latency, has what sharding bought).
 POOL_SHARDS = 64
 
 
@@ -67,7 +67,14 @@ def create_router_app(config: RouterConfig, fleet: Fleet) -> FastAPI:
                     state, client, config.router_secret, config.placement, config.policy
                 )
             forwarder = Forwarder(config, state, clients, metrics)
-            app.state.service = RouterService(config, tenants, state, forwarder, metrics, placement)
+            app.state.service = RouterService(
+                config,
+                tenants=tenants,
+                state=state,
+                forwarder=forwarder,
+                metrics=metrics,
+                placement=placement,
+            )
             await source.start()
             if placement is not None:
                 await placement.start()

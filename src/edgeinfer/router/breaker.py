@@ -8,11 +8,19 @@ re-opens the breaker.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 
-CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
-STATE_VALUES = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
+
+class BreakerState(enum.StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
+STATE_VALUES = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}  # the gauge's values
 
 
 class CircuitBreaker:
@@ -25,7 +33,7 @@ class CircuitBreaker:
         self.failure_threshold = failure_threshold
         self.reset_after_s = reset_after_s
         self._clock = clock
-        self.state = CLOSED
+        self.state: BreakerState = CLOSED
         self._failures = 0
         self._opened_at = 0.0
         self._probing = False

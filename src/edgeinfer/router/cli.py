@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+from edgeinfer.api.router_trust import load_secret
 from edgeinfer.router.config import RouterConfig
-from edgeinfer.router.policy import STRATEGIES, PolicyConfig
-from edgeinfer.types.router_trust import load_secret
+from edgeinfer.router.policy import PolicyConfig, Strategy
 
 _POLICY_HELP = {
     "stale_after_s": "status older than this counts as saturated",
@@ -43,7 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sign the tenant header for the nodes with it",
     )
     parser.add_argument(
-        "--strategy", default="ttft", choices=STRATEGIES, help="ranking (baselines for benchmarks)"
+        "--strategy",
+        type=Strategy,
+        default=Strategy.TTFT,
+        choices=list(Strategy),
+        help="ranking (baselines for benchmarks)",
     )
     parser.add_argument(
         "--emulate-rtt",

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edgeinfer.node.config import NodeLimits
+from edgeinfer.api.limits import NodeLimits
 from edgeinfer.router.placement import PlacementConfig
-from edgeinfer.router.policy import PolicyConfig
+from edgeinfer.router.policy import PolicyConfig, Strategy
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RouterConfig:
     location: str  # the router's own location: clients without x-client-location are counted here
     tenants_file: str | None = None
-    router_secret: bytes | None = None  # signs the tenant header for nodes (types/router_trust.py)
+    router_secret: bytes | None = None  # signs the tenant header for nodes (api/router_trust.py)
     nats_url: str | None = None  # fleet state from NATS; None: poll every node's /node/status
     poll_interval_s: float = 0.1
-    strategy: str = "ttft"
+    strategy: Strategy = Strategy.TTFT
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     # The same request limits as the nodes', so that malformed bodies get the node's 4xx here.
     limits: NodeLimits = field(default_factory=NodeLimits)

@@ -1,6 +1,8 @@
-"""Locations and the round-trip times between them: a configured matrix, else great-circle distance.
+"""Locations and the network between them: one model of round-trip time, by which the router ranks
+locations and the fleet simulator times requests, so the simulator that validates the router measures the
+network the router assumes. A fleet file's RTT matrix overrides the model for the pairs it lists.
 
-Torch-free and dependency-free, so the fleet simulator can use it as the router does.
+Torch-free and dependency-free.
 """
 
 from __future__ import annotations
@@ -10,11 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 EARTH_RADIUS_KM = 6371.0
-# Light in fibre covers ~200 km per ms one way; real routes are ~1.5x the great circle (detours, hops).
-FIBRE_KM_PER_S = 200_000.0
-ROUTE_FACTOR = 1.5
-# Even a client in the same metro pays a switch and a last mile.
-MIN_RTT_S = 0.001
+# Light in silica fibre travels at about two thirds of its speed in vacuum; 2/3 c is the customary figure.
+FIBRE_KM_PER_MS = 299_792.458 * (2 / 3) / 1000
 
 
 @dataclass(frozen=True)
@@ -32,25 +31,50 @@ class Location:
             raise ValueError(f"location {self.code}: lat must be in [-90, 90] and lon in [-180, 180]")
 
 
-def great_circle_km(a: Location, b: Location) -> float:
-    """Haversine distance."""
-    phi1, phi2 = math.radians(a.lat), math.radians(b.lat)
-    dphi, dlmb = phi2 - phi1, math.radians(b.lon - a.lon)
-    h = math.sin(dphi / 2) ** 2 + math.cos(phi1) * math.cos(phi2) * math.sin(dlmb / 2) ** 2
+def haversine_km(lat1: float, lon1: float, lat2: float, lon2: float) -> float:
+    """Great-circle distance on a spherical Earth."""
+    p1, p2 = math.radians(lat1), math.radians(lat2)
+    dp, dl = p2 - p1, math.radians(lon2 - lon1)
+    h = math.sin(dp / 2) ** 2 + math.cos(p1) * math.cos(p2) * math.sin(dl / 2) ** 2
     return 2 * EARTH_RADIUS_KM * math.asin(min(1.0, math.sqrt(h)))
 
 
-def rtt_from_distance(km: float) -> float:
-    """Seconds for a round trip over fibre along a route ROUTE_FACTOR times the great circle."""
-    return MIN_RTT_S + 2.0 * km * ROUTE_FACTOR / FIBRE_KM_PER_S
+def great_circle_km(a: Location, b: Location) -> float:
+    return haversine_km(a.lat, a.lon, b.lat, b.lon)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkModel:
+    """RTT = 2 × great-circle distance / fibre speed × `path_inflation` + `last_mile_ms`.
+
+    Routed paths run about twice the great circle in fibre time, and every round trip crosses a client's
+    access network once; docs/fleet.md gives the sources of both defaults.
+    """
+
+    path_inflation: float = 2.0
+    last_mile_ms: float = 5.0
+
+    def rtt_s_from_km(self, km: float) -> float:
+        """Seconds of a round trip between points `km` apart (a numpy array of distances works as well)."""
+        return (2 * km / FIBRE_KM_PER_MS * self.path_inflation + self.last_mile_ms) / 1000
+
+    def rtt_s(self, a: Location, b: Location) -> float:
+        return self.rtt_s_from_km(great_circle_km(a, b))
+
+    def rtt_ms(self, a: Location, b: Location) -> float:
+        return self.rtt_s(a, b) * 1000
 
 
 class RttTable:
-    """`rtt(a, b)` in seconds between location codes; symmetric; matrix entries override geometry."""
+    """`rtt(a, b)` in seconds between location codes; symmetric; matrix entries override the model."""
 
     def __init__(
-        self, locations: Iterable[Location], matrix: Mapping[tuple[str, str], float] | None = None
+        self,
+        locations: Iterable[Location],
+        matrix: Mapping[tuple[str, str], float] | None = None,
+        network: NetworkModel | None = None,
     ) -> None:
+        self.network = network or NetworkModel()
         self.locations: dict[str, Location] = {}
         for loc in locations:
             if loc.code in self.locations:
@@ -76,10 +100,7 @@ class RttTable:
         configured = self._matrix.get(frozenset((a, b)))
         if configured is not None:
             return configured
-        here, there = self.locations[a], self.locations[b]
-        if a == b:
-            return MIN_RTT_S
-        return rtt_from_distance(great_circle_km(here, there))
+        return self.network.rtt_s(self.locations[a], self.locations[b])
 
     def nearest_first(self, origin: str) -> list[str]:
         """Every location code, nearest to `origin` first (ties by code, so the order is stable)."""

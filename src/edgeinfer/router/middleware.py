@@ -1,8 +1,8 @@
 """Pure ASGI middleware (streams pass untouched): a request id on every request and response, and a generic
 500 in OpenAI's shape for an unexpected error, as the node's middleware does.
 
-The id is the client's own `x-request-id` when it is tame (node/middleware.py), else a new one; it replaces
-the client's header in the request, so the node the request is forwarded to logs it under the same id.
+The id is the client's own `x-request-id` when it is tame (api/http/request_ids.py), else a new one; it
+replaces the client's header in the request, so the node it is forwarded to logs it under the same id.
 An error escaping the app would otherwise reach Starlette's outermost handler, which answers a plain-text
 500 and re-raises, and uvicorn then closes the client's keep-alive connection.
 """
@@ -13,8 +13,8 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from edgeinfer.node.errors import unexpected
-from edgeinfer.node.request_ids import request_id_of
+from edgeinfer.api.errors import unexpected
+from edgeinfer.api.http.request_ids import request_id_of
 
 logger = logging.getLogger("edgeinfer.router")
 _HEADER = b"x-request-id"

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import httpx
 
+from edgeinfer.api import router_trust
 from edgeinfer.router.policy import NodeState, PolicyConfig, Snapshot, is_busy
 from edgeinfer.router.state import FleetState
-from edgeinfer.types import router_trust
 
 logger = logging.getLogger("edgeinfer.router")
 

@@ -4,7 +4,7 @@ The router and the fleet simulator both call it; its API is small and stable:
 
     snapshot = Snapshot(nodes=[NodeState(...), ...], rtt=RttTable(...), now=clock())
     decision = decide(snapshot, RequestFeatures(model, prompt_tokens, client_location, ...), rng, config)
-    decision.kind       # "route" | "reject" (every candidate busy or stale) | "unknown_model"
+    decision.kind       # ROUTE | REJECT (every candidate busy or stale) | UNKNOWN_MODEL
     decision.ranked     # Candidates, best first; the router tries them in order (retries go down the list)
     decision.spilled    # True when routed away from the nearest location that has the model warm
 
@@ -12,9 +12,9 @@ The router and the fleet simulator both call it; its API is small and stable:
   `available` (False while the caller's circuit breaker for it is open: treated as busy).
 - `rtt(a, b)` is any callable giving round-trip seconds between location codes (`geo.RttTable`).
 - `rng` is a `random.Random` the caller seeds (power-of-two choices draw from it).
-- `strategy` picks the ranking: "ttft" (this policy), "nearest" and "least_loaded" (baselines).
+- `strategy` picks the ranking: `Strategy.TTFT` (this policy), `NEAREST` and `LEAST_LOADED` (baselines).
 
-Policy ("ttft"): candidates are the nodes that can serve the model, are not stale (status older than
+Policy (TTFT): candidates are the nodes that can serve the model, are not stale (status older than
 `stale_after_s` counts as saturated) and are under the busy thresholds. Within each location one node
 is chosen: the session's rendezvous-hash owner when the request has an affinity key and that node has
 headroom under the load bound, else the less loaded of two random choices; warm nodes before cold
@@ -28,16 +28,46 @@ Nodes silent longer than `drop_after_s` are ignored altogether (the caller may a
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
-
-STRATEGIES = ("ttft", "nearest", "least_loaded")
 
 
-@dataclass(frozen=True)
+class PolicyName(enum.StrEnum):
+    """A policy's name in flags and files, spelled with hyphens; the underscore spelling (`least_loaded`)
+    still names the same policy, so command lines written for it keep working."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> enum.Enum | None:
+        if isinstance(value, str) and "_" in value:
+            return cls._value2member_map_.get(value.replace("_", "-"))
+        return None
+
+
+class Strategy(PolicyName):
+    """How candidates are ranked: expected time to first token, or one of the two baselines."""
+
+    TTFT = "ttft"
+    NEAREST = "nearest"
+    LEAST_LOADED = "least-loaded"
+
+    @classmethod
+    def parse(cls, value: str) -> Strategy:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown routing strategy {value!r} (known: {', '.join(cls)})") from None
+
+
+class DecisionKind(enum.StrEnum):
+    ROUTE = "route"
+    REJECT = "reject"  # every candidate is busy or stale
+    UNKNOWN_MODEL = "unknown_model"  # no live node serves the model
+
+
+@dataclass(frozen=True, kw_only=True)
 class NodeState:
     """One node as last reported. `capacity`: requests it runs at once; `kv_usage` in [0, 1]."""
 
@@ -63,7 +93,7 @@ class NodeState:
         return self.in_flight / max(1, self.capacity)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestFeatures:
     """What the router knows of a request before it is sent. `cached_tokens`: node_id → prompt tokens
     estimated to be in that node's prefix cache for this tenant (e.g. from the session's last turn).
@@ -78,7 +108,7 @@ class RequestFeatures:
     cache_salt: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelCosts:
     """One model's constants in the TTFT estimate (from a node profile: bench/fleet_profile.py)."""
 
@@ -91,7 +121,7 @@ class ModelCosts:
     wait_per_queued_s: float = 0.05  # by each request queued ahead: its prefill runs first
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
     """The policy's constants (docs/router.md explains how each was chosen)."""
 
@@ -114,9 +144,12 @@ class PolicyConfig:
         if listed is not None:
             return listed
         return ModelCosts(
-            self.prefill_tokens_per_s, self.cold_load_s, self.service_time_s,
-            self.wait_per_running_s, self.wait_per_queued_s,
-        )  # fmt: skip
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            cold_load_s=self.cold_load_s,
+            service_time_s=self.service_time_s,
+            wait_per_running_s=self.wait_per_running_s,
+            wait_per_queued_s=self.wait_per_queued_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -126,7 +159,7 @@ class Snapshot:
     now: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Candidate:
     node_id: str
     location: str
@@ -139,7 +172,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Decision:
-    kind: Literal["route", "reject", "unknown_model"]
+    kind: DecisionKind
     ranked: tuple[Candidate, ...] = ()
     spilled: bool = False
     retry_after_s: float = 0.0
@@ -155,17 +188,17 @@ def decide(
     request: RequestFeatures,
     rng: random.Random,
     config: PolicyConfig | None = None,
-    strategy: str = "ttft",
+    strategy: Strategy | str = Strategy.TTFT,
 ) -> Decision:
     """Rank the nodes for `request`; see the module docstring."""
     config = config or PolicyConfig()
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown routing strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
+    if not isinstance(strategy, Strategy):
+        strategy = Strategy.parse(strategy)
     live = [n for n in snapshot.nodes if snapshot.now - n.ts <= config.drop_after_s]
     serving = [n for n in live if request.model in n.models_available]
     if not serving:
-        return Decision("unknown_model", reason=f"no live node serves model {request.model!r}")
-    if strategy == "nearest":
+        return Decision(DecisionKind.UNKNOWN_MODEL, reason=f"no live node serves model {request.model!r}")
+    if strategy is Strategy.NEAREST:
         # The baseline knows no load: saturated and stale nodes stay candidates (they answer 429).
         reachable = [n for n in serving if n.available]
         usable = [n for n in reachable if request.model in n.models_warm] or reachable
@@ -173,12 +206,14 @@ def decide(
         usable = [n for n in serving if not is_busy(n, snapshot.now, config)]
     if not usable:
         return Decision(
-            "reject",
+            DecisionKind.REJECT,
             retry_after_s=config.retry_after_s,
             reason=f"all {len(serving)} nodes serving {request.model!r} are busy or stale",
         )
     ranked = _rank(snapshot, request, usable, rng, config, strategy)
-    return Decision("route", tuple(ranked), spilled=_spilled(snapshot, request, serving, ranked[0]))
+    return Decision(
+        DecisionKind.ROUTE, tuple(ranked), spilled=_spilled(snapshot, request, serving, ranked[0])
+    )
 
 
 def is_busy(node: NodeState, now: float, config: PolicyConfig) -> bool:
@@ -217,7 +252,15 @@ def estimate(
     if request.model not in node.models_warm:
         # A load already under way is, on average, half done.
         cold = costs.cold_load_s / 2 if request.model in node.models_loading else costs.cold_load_s
-    return Candidate(node.node_id, node.location, rtt + wait + prefill + cold, rtt, wait, prefill, cold)
+    return Candidate(
+        node_id=node.node_id,
+        location=node.location,
+        expected_ttft_s=rtt + wait + prefill + cold,
+        rtt_s=rtt,
+        queue_wait_s=wait,
+        prefill_s=prefill,
+        cold_s=cold,
+    )
 
 
 def rendezvous_order(key: str, node_ids: Sequence[str]) -> list[str]:
@@ -235,18 +278,18 @@ def _rank(
     usable: list[NodeState],
     rng: random.Random,
     config: PolicyConfig,
-    strategy: str,
+    strategy: Strategy,
 ) -> list[Candidate]:
     by_location: dict[str, list[NodeState]] = {}
     for node in sorted(usable, key=lambda n: n.node_id):
         by_location.setdefault(node.location, []).append(node)
     costs = config.costs(request.model)
-    if strategy == "least_loaded":
+    if strategy is Strategy.LEAST_LOADED:
         # The baseline ignores distance: the least loaded warm node anywhere, then the rest.
         order = sorted(usable, key=lambda n: (request.model not in n.models_warm, n.load, n.node_id))
         return [estimate(snapshot, request, n, config, costs) for n in order]
     firsts = [_pick_in_location(nodes, request, rng, config) for nodes in by_location.values()]
-    if strategy == "nearest":
+    if strategy is Strategy.NEAREST:
         key = lambda c: (c.rtt_s, c.location)  # noqa: E731
     else:
         key = lambda c: (c.expected_ttft_s, c.rtt_s, c.location)  # noqa: E731

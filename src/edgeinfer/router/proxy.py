@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from edgeinfer.node.disconnect import ClientDisconnected, until_disconnect
-from edgeinfer.node.errors import ApiError, unavailable
+from edgeinfer.api.errors import STATUS_CLIENT_CLOSED, ApiError, unavailable
+from edgeinfer.api.http.disconnect import ClientDisconnected, until_disconnect
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.metrics import RouterMetrics
 from edgeinfer.router.policy import Candidate
@@ -31,7 +31,6 @@ from edgeinfer.router.state import FleetState, NodeView
 
 logger = logging.getLogger("edgeinfer.router")
 
-STATUS_CLIENT_CLOSED = 499
 # Not forwarded either way: connection-level headers, the body length (the body is re-framed) and
 # what our own server sets again.
 HOP_BY_HOP = {
@@ -50,7 +49,7 @@ HOP_BY_HOP = {
 }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Forward:
     """One request to forward: the body as the client sent it and the headers the node gets."""
 

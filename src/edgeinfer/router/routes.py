@@ -10,16 +10,16 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from edgeinfer.node.embeddings import openai_embedding_job, workers_ai_embedding_job
-from edgeinfer.node.json_body import BoundedJSONRoute
-from edgeinfer.node.prepare import chat_job, check_one_workers_ai_input, completion_job, workers_ai_job
-from edgeinfer.node.schemas import (
+from edgeinfer.api.embeddings import openai_embedding_job, workers_ai_embedding_job
+from edgeinfer.api.http.json_body import BoundedJSONRoute
+from edgeinfer.api.prepare import chat_job, check_one_workers_ai_input, completion_job, workers_ai_job
+from edgeinfer.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     WorkersAIRunRequest,
 )
-from edgeinfer.node.tenants import Tenant
+from edgeinfer.api.tenants import Tenant
 from edgeinfer.obs.metrics import CONTENT_TYPE
 
 router = APIRouter(route_class=BoundedJSONRoute)

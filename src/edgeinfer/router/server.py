@@ -1,5 +1,5 @@
 """The router's HTTP server: uvicorn with uvloop and httptools where installed (the `fast` extra), and
-parser errors in OpenAI's shape (node/parser_errors.py)."""
+parser errors in OpenAI's shape (api/http/parser_errors.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import uvicorn
 
-from edgeinfer.node.parser_errors import http_protocol
+from edgeinfer.api.http.parser_errors import http_protocol
 
 GRACEFUL_SHUTDOWN_S = 10
 

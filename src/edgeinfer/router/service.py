@@ -9,16 +9,16 @@ from collections import OrderedDict, deque
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from edgeinfer.node.errors import ApiError, busy, model_not_found
-from edgeinfer.node.tenants import Tenant, TenantRegistry
+from edgeinfer.api import router_trust
+from edgeinfer.api.errors import ApiError, busy, model_not_found
+from edgeinfer.api.tenants import Tenant, TenantRegistry
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.metrics import RouterMetrics
 from edgeinfer.router.placement import PlacementLoop
-from edgeinfer.router.policy import Decision, RequestFeatures, decide
+from edgeinfer.router.policy import Decision, DecisionKind, RequestFeatures, decide
 from edgeinfer.router.proxy import HOP_BY_HOP, Forward, Forwarder
 from edgeinfer.router.state import FleetState
-from edgeinfer.types import router_trust
-from edgeinfer.types.cache_salt import derive_salt, tenant_salt
+from edgeinfer.types.cache_salt import tenant_salt
 
 CLIENT_LOCATION_HEADER = "x-client-location"
 AFFINITY_HEADER = "x-session-affinity"
@@ -54,6 +54,7 @@ class RouterService:
     def __init__(
         self,
         config: RouterConfig,
+        *,
         tenants: TenantRegistry,
         state: FleetState,
         forwarder: Forwarder,
@@ -69,10 +70,8 @@ class RouterService:
         self.sessions = SessionMemory()
         self.recent_spills: deque[dict[str, object]] = deque(maxlen=RECENT_SPILLS)
         self.rng = random.Random(config.seed)
-        # The key of tenants' cache salts, from the secret routers share: every router derives the same
-        # salt for a tenant, so its prefix cache on a node is one namespace whichever router sent it.
         secret = config.router_secret
-        self._salt_key = bytes.fromhex(derive_salt(secret, "edgeinfer-cache-salt-key")) if secret else None
+        self._salt_key = router_trust.cache_salt_key(secret) if secret else None
 
     def cache_salt(self, tenant: Tenant) -> str:
         """The tenant's salt ("" without a router secret: nodes then derive namespaces themselves)."""
@@ -104,12 +103,22 @@ class RouterService:
         session = f"{salt or tenant.name}/{affinity}" if affinity else None
         tokens = len(body) // BYTES_PER_TOKEN
         cached = self.sessions.cached_tokens(session, tokens)
-        features = RequestFeatures(model, tokens, location, affinity, tenant.name, cached, salt)
+        features = RequestFeatures(
+            model=model,
+            prompt_tokens=tokens,
+            client_location=location,
+            affinity_key=affinity,
+            tenant=tenant.name,
+            cached_tokens=cached,
+            cache_salt=salt,
+        )
         if self.placement is not None:
             self.placement.demand.add(location, model)
         decision = self._decide(features)
         headers = self._node_headers(request, tenant, location, salt)
-        forward = Forward(request.url.path, body, headers, location, started)
+        forward = Forward(
+            path=request.url.path, body=body, headers=headers, client_location=location, started=started
+        )
         response = await self.forwarder.forward(request, forward, decision.ranked)
         node_id = response.headers.get("x-edgeinfer-node")
         if session is not None and node_id is not None:
@@ -120,9 +129,9 @@ class RouterService:
         t0 = time.perf_counter()
         decision = decide(self.state.snapshot(), features, self.rng, self.config.policy, self.config.strategy)
         self.metrics.decision.observe(time.perf_counter() - t0)
-        if decision.kind == "unknown_model":
+        if decision.kind is DecisionKind.UNKNOWN_MODEL:
             raise self._unknown(features.model)
-        if decision.kind == "reject":
+        if decision.kind is DecisionKind.REJECT:
             self.metrics.rejected.labels(features.model).inc()
             raise busy(f"every node serving {features.model} is busy; retry shortly", decision.retry_after_s)
         if decision.spilled and decision.best is not None:

@@ -8,8 +8,8 @@ the same snapshot and pick the same cheapest node. So the router counts what it 
 that node's last status and adds it to what the node said (into its free slots first, the rest as queued);
 the next status, which counts them itself, starts the count again. A request that ends before that status
 arrives is in no status at all, so it leaves the count when it ends: otherwise a few short requests in a
-row would make an idle node look full until its next status (measured: a session's owner lost its
-affinity to a second node after two 4-token completions within one status interval).
+row would make an idle node look full until its next status (a session's owner would lose its affinity to
+another node after a couple of short completions within one status interval).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 # Arrays and objects inside one another; no API body needs more (a JSON schema in `response_format`
-# nests two levels per object property, which leaves room for ~30 levels of properties).
+# nests two levels per object property, which leaves room for half as many levels of properties).
 MAX_JSON_DEPTH = 64
 
 

@@ -1,7 +1,7 @@
 """What a request may hold, written once: the sampling fields' bounds and the checks of prompts and embedding
 inputs against a model, each with the one message every layer gives.
 
-`SamplingParams.validate` and the API schemas (node/schemas.py: pydantic bounds, so /openapi.json shows them)
+`SamplingParams.validate` and the API schemas (api/schemas.py: pydantic bounds, so /openapi.json shows them)
 both read `SAMPLING_BOUNDS`; the engine and the node (which checks before a stream starts, so that a bad
 request gets a status rather than an error event) both call `check_prompt` and `check_embedding_inputs`.
 Server limits (max_tokens caps, inputs per request) are the node's policy and stay there. Torch-free.

@@ -1,0 +1,1 @@
+"""Backends run jobs on a leased pool member: a local engine, an upstream server, an embedding model."""

@@ -1,0 +1,1 @@
+"""Node-local accounting: admission (rate limits, per-model capacity), prices and the usage store."""

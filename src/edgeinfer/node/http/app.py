@@ -1,0 +1,134 @@
+"""The FastAPI application of one node: `create_app(config, pool)`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from edgeinfer import __version__
+from edgeinfer.api.files import load_table
+from edgeinfer.api.http import error_handlers
+from edgeinfer.api.tenants import TenantRegistry
+from edgeinfer.node.billing.metering import UsageStore
+from edgeinfer.node.billing.prices import PriceTable
+from edgeinfer.node.billing.ratelimit import RateLimiter
+from edgeinfer.node.config import NodeConfig
+from edgeinfer.node.fleet_status import StatusPublisher
+from edgeinfer.node.http import (
+    openapi_schema,
+    routes_embeddings,
+    routes_openai,
+    routes_ops,
+    routes_workers_ai,
+)
+from edgeinfer.node.http.middleware import NodeMiddleware
+from edgeinfer.node.service import NodeService
+from edgeinfer.obs.metrics import EngineGauges, NodeMetrics
+from edgeinfer.pool.manager import ModelPool
+
+logger = logging.getLogger("edgeinfer.node")
+# At shutdown, how long the requests the server cancelled have to close (each awaits its engine's answer to
+# its abort, about one step) before the models and the usage store are closed under them.
+_SETTLE_S = 5.0
+
+
+class _PoolMetrics:
+    """Forwards pool load/evict events to the metrics."""
+
+    def __init__(self, metrics: NodeMetrics) -> None:
+        self._metrics = metrics
+
+    def on_load(self, name: str, seconds: float, memory_bytes: int) -> None:
+        self._metrics.model_loaded(name, seconds, memory_bytes)
+
+    def on_evict(self, name: str, memory_bytes: int) -> None:
+        self._metrics.model_evicted(name)
+
+
+def engine_gauges(pool: ModelPool) -> dict[str, EngineGauges]:
+    """Scrape-time state of every resident member (upstreams: read from their own metrics)."""
+    gauges = {}
+    for name, member in pool.residents().items():
+        s = member.stats()
+        gauges[name] = EngineGauges(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_usage=s.kv_usage,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            cached_blocks_by_tenant=s.cached_blocks_by_tenant,
+            evicted_blocks_by_tenant=s.evicted_blocks_by_tenant,
+        )
+    return gauges
+
+
+def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
+    """Build the server around `pool`; the app owns it from then on (preloads it, shuts it down)."""
+    secret = config.server_secret or secrets.token_bytes(32)
+    if config.tenants_file:
+        tenants = TenantRegistry.from_mapping(load_table(config.tenants_file), secret)
+    else:
+        tenants = TenantRegistry.open(secret)
+    prices = PriceTable.from_mapping(load_table(config.prices_file)) if config.prices_file else PriceTable()
+    metrics = NodeMetrics(engine_source=lambda: engine_gauges(pool))
+    metrics.pool_budget_bytes.set(pool.budget_bytes or 0)
+    pool.add_listener(_PoolMetrics(metrics))
+    store = UsageStore(config.usage_db)
+    service = NodeService(
+        limits=config.limits,
+        pool=pool,
+        tenants=tenants,
+        limiter=RateLimiter(),
+        store=store,
+        prices=prices,
+        metrics=metrics,
+        stream_write_timeout_s=config.connections.stream_write_timeout_s,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        checkpoints = asyncio.create_task(service.checkpoint_usage(config.usage_checkpoint_s))
+        publisher = StatusPublisher(config, pool) if config.nats_url else None
+        try:
+            await pool.preload(config.preload)
+            if publisher is not None:
+                await publisher.start()
+            app.state.ready = True
+            logger.info("node ready; models: %s", ", ".join(s.name for s in pool.states()))
+            yield
+        finally:
+            app.state.ready = False
+            await service.settle(_SETTLE_S)
+            checkpoints.cancel()
+            if publisher is not None:
+                await publisher.stop()
+            await pool.shutdown()
+            await asyncio.to_thread(store.close)
+
+    app = FastAPI(
+        title="edgeinfer node",
+        version=__version__,
+        description="OpenAI and Workers-AI compatible inference: tenants, metering, a warm model pool.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.state.node_config = config
+    app.state.ready = False
+    app.state.draining = False  # set by server.NodeServer when asked to stop
+    error_handlers.install(app)
+    for module in (routes_openai, routes_embeddings, routes_workers_ai, routes_ops):
+        app.include_router(module.router)
+    openapi_schema.install(app, open_node=config.tenants_file is None)
+    app.add_middleware(
+        NodeMiddleware,
+        metrics=metrics,
+        max_body_bytes=config.limits.max_body_bytes,
+        body_timeout_s=config.connections.body_timeout_s,
+    )
+    return app

@@ -1,0 +1,71 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, /v1/usage."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+
+from edgeinfer.api.http.json_body import BoundedJSONRoute
+from edgeinfer.api.prepare import chat_job, completion_job
+from edgeinfer.api.schemas import ChatCompletionRequest, CompletionRequest
+from edgeinfer.node.http.auth import AuthTenant
+from edgeinfer.node.http.render import ChatRenderer, CompletionRenderer
+
+router = APIRouter(route_class=BoundedJSONRoute)
+_STARTED = int(time.time())
+
+
+@router.post("/v1/completions", tags=["openai"])
+async def completions(body: CompletionRequest, request: Request, tenant: AuthTenant) -> Response:
+    service = request.app.state.service
+    job = completion_job(body, await request.json(), service.limits)
+    return await service.execute(request, tenant, job, CompletionRenderer)
+
+
+@router.post("/v1/chat/completions", tags=["openai"])
+async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: AuthTenant) -> Response:
+    service = request.app.state.service
+    job = chat_job(body, await request.json(), service.limits)
+    return await service.execute(request, tenant, job, ChatRenderer)
+
+
+@router.get("/v1/models", tags=["openai"])
+async def models(request: Request, _: AuthTenant) -> dict[str, Any]:
+    """Every model and alias this node serves, with its residency in the pool."""
+    pool = request.app.state.service.pool
+    data = []
+    for state in pool.states():
+        info = {
+            "kind": state.kind,
+            "state": state.state,
+            "memory_bytes": state.memory_bytes,
+            "pinned": state.pinned,
+            "version": state.version,
+        }
+        for name in (state.name, *state.aliases):
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": _STARTED,
+                    "owned_by": "edgeinfer",
+                    "root": state.name,
+                    "parent": None if name == state.name else state.name,
+                    "edgeinfer": info,
+                }
+            )
+    return {"object": "list", "data": data}
+
+
+@router.get("/v1/usage", tags=["edgeinfer"])
+async def usage(
+    request: Request,
+    tenant: AuthTenant,
+    start: Annotated[float | None, Query(description="unix seconds, inclusive", allow_inf_nan=False)] = None,
+    end: Annotated[float | None, Query(description="unix seconds, exclusive", allow_inf_nan=False)] = None,
+) -> dict[str, Any]:
+    """The calling tenant's metered usage per model: requests, input, cached input and output tokens, cost."""
+    return await request.app.state.service.usage(tenant, start, end)

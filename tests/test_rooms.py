@@ -1,0 +1,76 @@
+"""The rooms' import rules (docs/engine.md, the map of rooms): what both servers speak lives in `api`, which
+imports neither server; the router reaches nodes over HTTP and NATS only, never through their code; the
+node never imports the router; the fleet simulator runs the router's own policy and network model."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import edgeinfer
+
+SRC = Path(edgeinfer.__file__).parent
+
+# room -> module prefixes none of its files may import (at any depth, lazily inside functions too)
+FORBIDDEN = {
+    "api": (
+        "edgeinfer.node",
+        "edgeinfer.router",
+        "edgeinfer.engine",
+        "edgeinfer.pool",
+        "edgeinfer.fleet",
+        "torch",
+    ),
+    "router": ("edgeinfer.node", "edgeinfer.engine", "edgeinfer.pool", "torch"),
+    "node": ("edgeinfer.router", "edgeinfer.fleet"),
+    "fleet": ("edgeinfer.node", "edgeinfer.engine", "edgeinfer.pool", "torch"),
+}
+# api's own dependencies: ours it may import at all (third-party HTTP and schema libraries aside)
+API_MAY_IMPORT = ("edgeinfer.api", "edgeinfer.types", "edgeinfer.structured")
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def _room_imports(room: str) -> dict[str, set[str]]:
+    return {str(p.relative_to(SRC)): _imports(p) for p in (SRC / room).rglob("*.py")}
+
+
+def _matches(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_room_imports_nothing_it_must_not(room: str) -> None:
+    found = {
+        f"{path}: {name}"
+        for path, names in _room_imports(room).items()
+        for name in names
+        if _matches(name, FORBIDDEN[room])
+    }
+    assert not found
+
+
+def test_api_imports_only_types_and_structured_of_ours() -> None:
+    found = {
+        f"{path}: {name}"
+        for path, names in _room_imports("api").items()
+        for name in names
+        if name.startswith("edgeinfer") and not _matches(name, API_MAY_IMPORT)
+    }
+    assert not found
+
+
+def test_the_rule_sees_lazy_imports(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from edgeinfer.node.service import NodeService\n")
+    assert _matches(next(iter(_imports(module))), FORBIDDEN["router"])
