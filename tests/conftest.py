@@ -12,7 +12,7 @@ from helpers.tiny_models import make_tiny
 def _private_cache_dir(tmp_path_factory):
     """Prepared models and compiled graphs go to a directory of this session, not the user's cache; our
     CPU kernels keep being built in the user's cache (builds are keyed by their source, ~10 s each)."""
-    from edgeinfer.engine.prepared import cache_root
+    from edgeinfer.engine.cache_dir import cache_root
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(

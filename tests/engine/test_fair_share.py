@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from edgeinfer.engine.kv_cache import KVCacheManager
-from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig
+from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulingPolicy
 from edgeinfer.types import FinishReason, SamplingParams
 
 _ids = itertools.count()
@@ -15,7 +15,13 @@ _ids = itertools.count()
 
 def _scheduler(fair: bool, policy: str = "fcfs") -> Scheduler:
     kv = KVCacheManager(4096, 16)
-    cfg = SchedulerConfig(64, 256, max_model_len=4096, policy=policy, fair_share=fair)
+    cfg = SchedulerConfig(
+        max_num_seqs=64,
+        max_num_batched_tokens=256,
+        max_model_len=4096,
+        policy=SchedulingPolicy(policy),
+        fair_share=fair,
+    )
     return Scheduler(cfg, kv, lambda: 0.0)
 
 
@@ -103,7 +109,7 @@ def test_a_tenant_arriving_mid_burst_gets_its_first_token_in_the_next_step() -> 
 
 def test_the_step_budget_follows_the_step_time_target() -> None:
     kv = KVCacheManager(4096, 16)
-    cfg = SchedulerConfig(64, 1024, max_model_len=4096, max_step_ms=250.0)
+    cfg = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=4096, max_step_ms=250.0)
     s = Scheduler(cfg, kv, lambda: 0.0)
     s.add_request(_req("a", 3000))
     assert s.schedule().num_tokens == 1024  # nothing measured yet: the maximum
@@ -117,7 +123,13 @@ def test_the_step_budget_follows_the_step_time_target() -> None:
 def test_a_second_tenant_present_shortens_the_steps() -> None:
     now = [0.0]
     kv = KVCacheManager(4096, 16)
-    cfg = SchedulerConfig(64, 1024, max_model_len=4096, max_step_ms=250.0, shared_step_ms=75.0)
+    cfg = SchedulerConfig(
+        max_num_seqs=64,
+        max_num_batched_tokens=1024,
+        max_model_len=4096,
+        max_step_ms=250.0,
+        shared_step_ms=75.0,
+    )
     s = Scheduler(cfg, kv, lambda: now[0])
     for tokens in (1, 200, 1, 200):  # 50 ms + 1 ms a token
         s.observe_step(tokens, 0.050 + 0.001 * tokens)
@@ -135,7 +147,9 @@ def test_a_second_tenant_present_shortens_the_steps() -> None:
 
 def test_a_tenant_filling_the_pool_gives_way_to_one_waiting_with_little() -> None:
     kv = KVCacheManager(64, 16)  # 63 usable blocks: two 500-token prompts need 64
-    s = Scheduler(SchedulerConfig(64, 256, max_model_len=4096), kv, lambda: 0.0)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=256, max_model_len=4096), kv, lambda: 0.0
+    )
     burst = [_req("burst", 500) for _ in range(2)]
     for r in burst:
         r.sampling = SamplingParams(max_tokens=4, ignore_eos=True)  # still running when `short` comes
@@ -155,7 +169,9 @@ def test_a_tenant_filling_the_pool_gives_way_to_one_waiting_with_little() -> Non
 
 def test_no_preemption_for_a_tenant_already_holding_as_much() -> None:
     kv = KVCacheManager(64, 16)
-    s = Scheduler(SchedulerConfig(64, 512, max_model_len=4096), kv, lambda: 0.0)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=4096), kv, lambda: 0.0
+    )
     for r in (_req("a", 480), _req("b", 480)):
         s.add_request(r)
     out = s.schedule()

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from edgeinfer.engine.kv_cache import KVCacheManager
-from edgeinfer.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from edgeinfer.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulingPolicy
 from edgeinfer.types import FinishReason, SamplingParams
 
 EOS = 0
@@ -23,7 +23,13 @@ class FakeClock:
 
 def make(max_seqs=64, budget=256, blocks=512, window_ms=0.0, policy="fcfs", clock=None, block_size=16):
     kv = KVCacheManager(blocks, block_size)
-    cfg = SchedulerConfig(max_seqs, budget, max_model_len=4096, batch_window_ms=window_ms, policy=policy)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=4096,
+        batch_window_ms=window_ms,
+        policy=SchedulingPolicy(policy),
+    )
     return Scheduler(cfg, kv, clock or FakeClock())
 
 

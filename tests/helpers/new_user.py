@@ -46,7 +46,7 @@ def new_user_env(home: Path) -> dict[str, str]:
         if not key.startswith("EDGEINFER_CACHE") and key not in _CACHE_VARIABLES
     }
     env["HOME"] = str(home)
-    from edgeinfer.engine.prepared import cache_root
+    from edgeinfer.engine.cache_dir import cache_root
 
     env["TORCH_EXTENSIONS_DIR"] = os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache_root() / "extensions")
     return env

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from edgeinfer.engine.cache_dir import models_cache_dir
 from edgeinfer.engine.model.loader import (
     CheckpointError,
     is_default_model,
@@ -20,7 +21,6 @@ from edgeinfer.engine.model.loader.default_model import (
     Chunk,
     assemble_chunks,
     installed_chunks,
-    models_cache_dir,
 )
 
 
@@ -76,9 +76,9 @@ def test_names_and_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     assert not is_default_model("gemma-3-1b")
     with pytest.raises(CheckpointError, match="'gemma-3-1b' is not the default model"):
         resolve_default_model("gemma-3-1b")
-    monkeypatch.setenv("EDGEINFER_CACHE", str(tmp_path))
-    assert models_cache_dir() == tmp_path
-    monkeypatch.delenv("EDGEINFER_CACHE")
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path))
+    assert models_cache_dir() == tmp_path / "models"
+    monkeypatch.delenv("EDGEINFER_CACHE_DIR")
     assert models_cache_dir() == Path.home() / ".cache" / "edgeinfer" / "models"
 
 

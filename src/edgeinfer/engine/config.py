@@ -11,6 +11,7 @@ from edgeinfer.engine.attention.registry import (
     MLA_MODES,
     check_name,
 )
+from edgeinfer.engine.scheduler.queue import SchedulingPolicy
 
 # The models served when none is named (the loader fetches them from PyPI on first use: model/loader/).
 DEFAULT_MODEL = "gemma-3-270m"
@@ -118,8 +119,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0 (or None for no time budget)")
         if self.batch_window_ms < 0:
             raise ValueError("batch_window_ms must be >= 0")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r} (fcfs, priority)")
+        if self.scheduling_policy not in tuple(SchedulingPolicy):
+            known = ", ".join(SchedulingPolicy)
+            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r} ({known})")
         if self.gptq_calibration is not None:
             if not (self.quantization or "").startswith("int4"):
                 raise ValueError(f"gptq_calibration is for int4 weights, not {self.quantization}")

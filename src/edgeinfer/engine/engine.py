@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from edgeinfer.engine.attention.storage import KVCacheStorage
+from edgeinfer.engine.cache_dir import cache_root
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.kv_cache import KVCacheManager
@@ -22,11 +23,10 @@ from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, reso
 from edgeinfer.engine.model.compile import use_persistent_compile_cache
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
-from edgeinfer.engine.prepared import cache_root
 from edgeinfer.engine.public_prefix import public_token_ids
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.runner import ModelRunner, RunnerOutput
-from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, SchedulingPolicy
 from edgeinfer.engine.threads import use_threads
 from edgeinfer.engine.tokenizer import Tokenizer
 from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob
@@ -95,14 +95,14 @@ class LLMEngine:
             config.cache_tenant_shares,
         )
         sched_cfg = SchedulerConfig(
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.layout.max_model_len,
-            config.batch_window_ms,
-            config.scheduling_policy,
-            config.fair_share,
-            config.max_step_ms,
-            config.shared_step_ms,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.layout.max_model_len,
+            batch_window_ms=config.batch_window_ms,
+            policy=SchedulingPolicy(config.scheduling_policy),
+            fair_share=config.fair_share,
+            max_step_ms=config.max_step_ms,
+            shared_step_ms=config.shared_step_ms,
         )
         self.scheduler = Scheduler(sched_cfg, kv, clock)
         if config.compile:

@@ -1,6 +1,6 @@
 """The prepared-form cache: a loaded model's runtime tensors on disk, memory-mapped on the next load."""
 
-from edgeinfer.engine.prepared.key import LAYOUT_VERSION, cache_root, entry_key, source_digest
+from edgeinfer.engine.prepared.key import LAYOUT_VERSION, entry_key, source_digest
 from edgeinfer.engine.prepared.snapshot import NotCacheable, capture, restore
 from edgeinfer.engine.prepared.store import PreparedCache
 
@@ -8,7 +8,6 @@ __all__ = [
     "LAYOUT_VERSION",
     "NotCacheable",
     "PreparedCache",
-    "cache_root",
     "capture",
     "entry_key",
     "restore",

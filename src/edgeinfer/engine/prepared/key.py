@@ -32,12 +32,6 @@ _READ_BYTES = 8 << 20
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".eiz", ".json")
 
 
-def cache_root() -> Path:
-    """`$EDGEINFER_CACHE_DIR`, else `~/.cache/edgeinfer`: prepared models, compiled graphs, kernel builds."""
-    env = os.environ.get("EDGEINFER_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "edgeinfer"
-
-
 def source_files(path: Path) -> list[Path]:
     """The files a checkpoint's weights and config come from (a file, or a directory's weight files)."""
     if path.is_file():

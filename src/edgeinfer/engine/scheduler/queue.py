@@ -7,6 +7,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
+from enum import StrEnum
 
 from edgeinfer.engine.scheduler.request import Request
 
@@ -98,5 +99,16 @@ class PriorityQueue(WaitingQueue):
         return (item[3] for item in sorted(self._heap))
 
 
-def make_queue(policy: str) -> WaitingQueue:
-    return PriorityQueue() if policy == "priority" else FCFSQueue()
+class SchedulingPolicy(StrEnum):
+    """FCFS: arrival order. PRIORITY: a request's `priority` first (lower first), then arrival; it also picks
+    preemption victims and orders prefill across tenants."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+    @property
+    def by_priority(self) -> bool:
+        return self is SchedulingPolicy.PRIORITY
+
+    def queue(self) -> WaitingQueue:
+        return PriorityQueue() if self.by_priority else FCFSQueue()

@@ -30,19 +30,19 @@ from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.kv_cache.manager import blocks_for
 from edgeinfer.engine.scheduler.fairness import FairShare
 from edgeinfer.engine.scheduler.output import ScheduledChunk, SchedulerOutput
-from edgeinfer.engine.scheduler.queue import make_queue
+from edgeinfer.engine.scheduler.queue import SchedulingPolicy
 from edgeinfer.engine.scheduler.request import Request, RequestStatus
 from edgeinfer.engine.scheduler.step_cost import StepCost
 from edgeinfer.types import FinishReason
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     batch_window_ms: float = 0.0
-    policy: str = "fcfs"
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
     fair_share: bool = True
     max_step_ms: float | None = None
     shared_step_ms: float | None = None
@@ -63,7 +63,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.clock = clock
-        self.waiting = make_queue(config.policy)
+        self.waiting = config.policy.queue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -251,7 +251,7 @@ class Scheduler:
     ) -> dict[str, deque[tuple[Request, bool]]]:
         """Per tenant, its prefill work in scheduling order: (request, is it waiting)."""
         items = [(r, False) for r in prefills] + [(r, True) for r in waiting]
-        if self.config.policy == "priority":
+        if self.config.policy.by_priority:
             items.sort(key=lambda i: (i[0].priority, i[1], i[0].arrival_time))
         lanes: dict[str, deque[tuple[Request, bool]]] = {}
         for item in items:
@@ -260,7 +260,7 @@ class Scheduler:
 
     def _rank(self, req: Request) -> int:
         """Priority classes come before fairness: a more important request goes first whoever sent it."""
-        return req.priority if self.config.policy == "priority" else 0
+        return req.priority if self.config.policy.by_priority else 0
 
     def _allocate_or_preempt(
         self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput
@@ -277,7 +277,7 @@ class Scheduler:
 
     def _pick_victim(self, scheduled: set[str]) -> Request:
         candidates = [r for r in self.running if r.request_id not in scheduled]
-        if self.config.policy == "priority":
+        if self.config.policy.by_priority:
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from edgeinfer.engine.cache_dir import models_cache_dir
 from edgeinfer.engine.config import DEFAULT_EMBEDDING_MODEL
-from edgeinfer.engine.model.loader.default_model import _record_sha256, _sha256_of, models_cache_dir
+from edgeinfer.engine.model.loader.default_model import _record_sha256, _sha256_of
 from edgeinfer.engine.model.loader.errors import CheckpointError
 
 log = logging.getLogger(__name__)

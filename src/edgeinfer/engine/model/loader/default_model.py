@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from edgeinfer.engine.cache_dir import models_cache_dir
 from edgeinfer.engine.config import DEFAULT_MODEL
 from edgeinfer.engine.model.loader.errors import CheckpointError
 
@@ -48,12 +49,6 @@ class Chunk:
 
 def is_default_model(name: str) -> bool:
     return name in DEFAULT_MODEL_ALIASES
-
-
-def models_cache_dir() -> Path:
-    """`$EDGEINFER_CACHE`, else `~/.cache/edgeinfer/models`."""
-    env = os.environ.get("EDGEINFER_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "edgeinfer" / "models"
 
 
 def resolve_default_model(name: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> Path:

@@ -141,7 +141,7 @@ def _build_dir() -> Path:
     hash its log keeps of each command, so the pip package's ninja (in an activated venv) and the
     system's (the same install run by path) each took the other's build as stale (a 40 s rebuild on
     every switch)."""
-    from edgeinfer.engine.prepared.key import cache_root
+    from edgeinfer.engine.cache_dir import cache_root
 
     ninja = shutil.which("ninja") or ""
     digest = hashlib.sha256(" ".join(_CFLAGS).encode() + torch.__version__.encode() + ninja.encode())
