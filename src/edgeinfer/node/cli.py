@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = build_config(args)
     specs = build_specs(args)
-    _check_local_models(specs, args.quantization)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    _check_local_models(specs, args.quantization)
     public = parse_public_prefixes(load_table(args.public_prefixes)) if args.public_prefixes else {}
     pool = ModelPool(specs, EngineLoader(engine_config(args), public_prefixes=public), budget_bytes=budget)
     for name in config.preload:
@@ -127,12 +127,14 @@ def _check_local_models(specs: list[MemberSpec], quantization: str | None) -> No
     """What a first request would find wrong, found before the server listens: a local model that is not
     there and a weight method that does not exist are one-line errors at start, not a 500 per request."""
     from edgeinfer.engine.loading import parse_quantization
-    from edgeinfer.engine.model.loader.opener import checkpoint_location
+    from edgeinfer.engine.model.loader.opener import is_known_model
 
     if quantization:
         parse_quantization(quantization)
-    for spec in specs:
-        if spec.kind == LOCAL and not checkpoint_location(spec.target).exists():
+    # a default model's name needs its packages, checked (and the file assembled) when it first loads
+    paths = [s for s in specs if s.kind == LOCAL and not is_known_model(s.target)]
+    for spec in paths:
+        if not Path(spec.target).expanduser().exists():
             raise ValueError(f"--model {spec.name}: {spec.target}: no such file or directory")
 
 

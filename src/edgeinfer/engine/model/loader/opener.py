@@ -21,6 +21,11 @@ from edgeinfer.engine.model.loader.gguf_checkpoint import GGUFCheckpoint
 from edgeinfer.engine.model.loader.safetensors_checkpoint import SafetensorsCheckpoint
 
 
+def is_known_model(name: str) -> bool:
+    """A default model's name (the generation or the embedding model), as `open_checkpoint` takes it."""
+    return is_default_model(name) or is_default_embedding_model(name)
+
+
 def checkpoint_location(path_or_name: str | Path) -> Path:
     """Where `open_checkpoint` would read from, without reading any header: a default model's name
     resolves to its file (assembled into the model cache if needed), anything else is taken as a path.
