@@ -1,6 +1,7 @@
 """The rooms' import rules (docs/engine.md, the map of rooms): what both servers speak lives in `api`, which
 imports neither server; the router reaches nodes over HTTP and NATS only, never through their code; the
-node never imports the router; the fleet simulator runs the router's own policy and network model."""
+node never imports the router; the fleet simulator runs the router's own policy and network model;
+weight quantization imports neither the eval harness nor attention."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ FORBIDDEN = {
     "router": ("edgeinfer.node", "edgeinfer.engine", "edgeinfer.pool", "torch"),
     "node": ("edgeinfer.router", "edgeinfer.fleet"),
     "fleet": ("edgeinfer.node", "edgeinfer.engine", "edgeinfer.pool", "torch"),
+    # quantization alone: a calibration pass gets its forward from the caller, the corpus is its own room
+    "engine/quant": ("edgeinfer.eval", "edgeinfer.engine.attention"),
 }
 # api's own dependencies: ours it may import at all (third-party HTTP and schema libraries aside)
 API_MAY_IMPORT = ("edgeinfer.api", "edgeinfer.types", "edgeinfer.structured")

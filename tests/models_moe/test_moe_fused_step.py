@@ -6,13 +6,11 @@ where the batch's prefill stays within the kernels' rows)."""
 from __future__ import annotations
 
 import pytest
+from helpers.fused_step import assert_fused_step_decodes_as_eager, bf16_engine, greedy_answers
 from helpers.kernels import require_gemv_kernels
 from tiny_moe import make_tiny_moe
 
-from edgeinfer.engine.config import EngineConfig
-from edgeinfer.engine.engine import LLMEngine
 from edgeinfer.engine.model.moe import SparseMoeBlock
-from edgeinfer.types import SamplingParams
 
 PROMPTS = [[3, 14, 15, 92, 65], list(range(4, 26)), [7] * 9, list(range(100, 140))]
 MAX_TOKENS = 10
@@ -22,34 +20,6 @@ QUANTIZATION = pytest.mark.parametrize("quantization", [None, "int4"], ids=["bf1
 @pytest.fixture(autouse=True)
 def _kernels() -> None:
     require_gemv_kernels()
-
-
-def _engine(model: str, quantization: str | None) -> LLMEngine:
-    # no prefix cache (a second run's prompts would prefill fewer rows, through other products) and no
-    # step-time budget (it cuts prefills by measured speed, so the rows of each product would vary)
-    config = EngineConfig(
-        max_step_ms=None,
-        shared_step_ms=None,
-        model=model,
-        dtype="bfloat16",
-        quantization=quantization,
-        num_kv_blocks=64,
-        enable_prefix_caching=False,
-        batch_window_ms=0,
-    )
-    return LLMEngine(config)
-
-
-def _decode(
-    engine: LLMEngine, together: bool, prompts: list[list[int]] = PROMPTS
-) -> list[tuple[list[int], list[float]]]:
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
-    done = engine.generate(prompts, sp) if together else [engine.generate([p], sp)[0] for p in prompts]
-    out = []
-    for c in done:
-        lps = [lp for o in c.outputs for lp in o.logprobs]
-        out.append(([t.token_id for t in lps], [t.logprob for t in lps] + [p for t in lps for _, p in t.top]))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -68,30 +38,18 @@ CASES = [(f, None) for f in ("glm4_moe", "qwen3_moe", "deepseek_v3", "deepseek_v
 
 @pytest.mark.parametrize(("family", "quantization"), CASES)
 def test_the_fused_step_decodes_moe_models_as_the_eager_path(models, family, quantization) -> None:
-    engine = _engine(models[family], quantization)
+    engine = bf16_engine(models[family], quantization=quantization)
     blocks = [m for m in engine.model.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks and all(b.kernel_block is not None for b in blocks)
-    fused = engine.runner.fused
-    assert fused is not None, "every layer runs on our kernels: the fused step takes the model"
-    steps: list[int] = []
-
-    def counted(ids, positions, meta):
-        steps.append(len(ids))
-        return fused(ids, positions, meta)
-
-    engine.runner.fused = counted
-    with_fused = [_decode(engine, together) for together in (False, True)]
-    assert steps.count(1) >= len(PROMPTS) * (MAX_TOKENS - 1) and max(steps) == len(PROMPTS)
-    engine.runner.fused = None
-    assert [_decode(engine, together) for together in (False, True)] == with_fused
+    assert_fused_step_decodes_as_eager(engine, PROMPTS, MAX_TOKENS)
 
 
 @QUANTIZATION
 @pytest.mark.parametrize("family", ["deepseek_v3_r64", "kimi_k2"])
 def test_mla_moe_models_decode_alike_alone_and_batched(models, family, quantization) -> None:
-    engine = _engine(models[family], quantization)
+    engine = bf16_engine(models[family], quantization=quantization)
     assert all(m.kernel_block is not None for m in engine.model.modules() if isinstance(m, SparseMoeBlock))
     # prompts whose joint prefill stays within the kernels' rows (wider products take torch's GEMM)
     prompts = PROMPTS[:3]
-    alone, together = (_decode(engine, t, prompts) for t in (False, True))
+    alone, together = (greedy_answers(engine, prompts, MAX_TOKENS, t) for t in (False, True))
     assert alone == together

@@ -3,49 +3,18 @@ replaces: the same kernels and ATen ops in the same order, so the same logits bi
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
+from helpers.fused_step import assert_fused_step_decodes_as_eager, bf16_engine, greedy_answers
 
-from edgeinfer.engine.config import EngineConfig
-from edgeinfer.engine.engine import LLMEngine
 from edgeinfer.engine.model import fused_decode
 from edgeinfer.engine.model.layers import kernel_ops
 from edgeinfer.engine.quant import kernels
 from edgeinfer.engine.quant.kernels import bf16
-from edgeinfer.types import SamplingParams
 
 # the second spans two KV blocks of 16; together they make decode steps of 4 sequences
 PROMPTS = [[3, 14, 15, 92, 65], list(range(4, 26)), [7] * 9, list(range(100, 140))]
 MAX_TOKENS = 12
-
-
-def _engine(model: str, **overrides) -> LLMEngine:
-    # no prefix cache: a second run's prompts would hit the first's blocks and prefill their rest in
-    # fewer rows, which may cross from torch's GEMM to the kernel (sums in another order); no step-time
-    # budget, which cuts prefills by measured speed (on a busy machine, differently in each run)
-    config = EngineConfig(
-        model=model,
-        dtype="bfloat16",
-        num_kv_blocks=64,
-        enable_prefix_caching=False,
-        max_step_ms=None,
-        shared_step_ms=None,
-    )
-    return LLMEngine(dataclasses.replace(config, **overrides))
-
-
-def _decode(engine: LLMEngine, together: bool) -> list[tuple[list[int], list[float]]]:
-    """Greedy answers with their logprobs: one request at a time, or all at once (batched decodes)."""
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
-    done = engine.generate(PROMPTS, sp) if together else [engine.generate([p], sp)[0] for p in PROMPTS]
-    out = []
-    for c in done:
-        lps = [lp for o in c.outputs for lp in o.logprobs]
-        assert len(lps) == MAX_TOKENS
-        out.append(([t.token_id for t in lps], [t.logprob for t in lps] + [p for t in lps for _, p in t.top]))
-    return out
 
 
 @pytest.fixture(params=["default", "narrow"])
@@ -68,29 +37,17 @@ def limits(request, monkeypatch) -> str:
 def test_fused_step_decodes_as_the_eager_path_bit_for_bit(level, tiny_models, family, quantization, limits):
     if not kernels.cpu_has_avx2():
         pytest.skip("bf16 models keep torch's kernels without AVX2")
-    engine = _engine(tiny_models[family], quantization=quantization)
-    fused = engine.runner.fused
-    assert fused is not None, "every layer of this model runs on our kernels: the fused step takes it"
-    rows: list[int] = []
-
-    def counted(ids, positions, meta):
-        rows.append(len(ids))
-        return fused(ids, positions, meta)
-
-    engine.runner.fused = counted
-    with_fused = [_decode(engine, together) for together in (False, True)]
-    assert rows.count(1) >= len(PROMPTS) * (MAX_TOKENS - 1) and max(rows) == len(PROMPTS)
-    engine.runner.fused = None
-    assert [_decode(engine, together) for together in (False, True)] == with_fused
+    engine = bf16_engine(tiny_models[family], quantization=quantization)
+    assert_fused_step_decodes_as_eager(engine, PROMPTS, MAX_TOKENS)
 
 
 def test_models_outside_the_kernels_keep_the_eager_step(ops, tiny_models):
     # a quantized KV cache: the decode ops attend over plain bf16 blocks only
-    assert _engine(tiny_models["llama"], kv_cache_dtype="int8").runner.fused is None
+    assert bf16_engine(tiny_models["llama"], kv_cache_dtype="int8").runner.fused is None
     # int8 weights multiply through another kernel the step does not call
-    assert _engine(tiny_models["llama"], quantization="int8").runner.fused is None
+    assert bf16_engine(tiny_models["llama"], quantization="int8").runner.fused is None
     # torch's kernels asked for: no decode ops, no fused step
-    assert _engine(tiny_models["llama"], cpu_gemv=False).runner.fused is None
+    assert bf16_engine(tiny_models["llama"], cpu_gemv=False).runner.fused is None
 
 
 def test_fused_step_refuses_inputs_it_cannot_run(ops):
@@ -105,10 +62,11 @@ def test_fused_step_refuses_inputs_it_cannot_run(ops):
 def test_compile_leaves_a_model_the_fused_step_takes_to_it(ops, tiny_models):
     # the fused step is faster than the compiled one-sequence graph and takes batched steps too: asking
     # for compile compiles nothing (no warm-up, no graph) and decodes as the plain engine does
-    plain = _engine(tiny_models["gemma3"])
-    compiled = _engine(tiny_models["gemma3"], compile=True)
+    plain = bf16_engine(tiny_models["gemma3"])
+    compiled = bf16_engine(tiny_models["gemma3"], compile=True)
     assert compiled.runner.fused is not None and compiled.runner.compiled is None
     assert compiled.runner.num_steps == 0  # no warm-up generation ran
-    assert _decode(compiled, together=True) == _decode(plain, together=True)
+    answers = [greedy_answers(e, PROMPTS, MAX_TOKENS, together=True) for e in (compiled, plain)]
+    assert answers[0] == answers[1]
     # a model the fused step does not take still compiles (int8 weights)
-    assert _engine(tiny_models["llama"], quantization="int8", compile=True).runner.compiled is not None
+    assert bf16_engine(tiny_models["llama"], quantization="int8", compile=True).runner.compiled is not None

@@ -96,19 +96,11 @@ class TaggedJsonScanner(CallScanner):
         return end + len(self._closer) if end >= 0 else len(body)
 
 
-class Glm45Scanner(CallScanner):
-    """`<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>`: each argument is
-    reported once its value is whole, as the next piece of a JSON object (`{"K": V` then `, "K2": V2`, `}`):
-    string values are written raw, others as JSON."""
-
-    _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-    _KEY, _KEY_END, _VALUE, _VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+class PieceScanner(CallScanner):
+    """A scanner that takes whole pieces (a marker, a name, an argument) off a buffer, one `_step` each."""
 
     def __init__(self) -> None:
         self._buffer = ""
-        self._in_call = False
-        self._name: str | None = None
-        self._args = 0
 
     def feed(self, text: str) -> list[CallEvent]:
         self._buffer += text
@@ -117,8 +109,26 @@ class Glm45Scanner(CallScanner):
             pass
         return events
 
+    @abc.abstractmethod
     def _step(self, events: list[CallEvent]) -> bool:
         """Consume one whole piece from the buffer; False when it holds none yet."""
+
+
+class Glm45Scanner(PieceScanner):
+    """`<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>`: each argument is
+    reported once its value is whole, as the next piece of a JSON object (`{"K": V` then `, "K2": V2`, `}`):
+    string values are written raw, others as JSON."""
+
+    _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+    _KEY, _KEY_END, _VALUE, _VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._in_call = False
+        self._name: str | None = None
+        self._args = 0
+
+    def _step(self, events: list[CallEvent]) -> bool:
         if not self._in_call:
             start = self._buffer.find(self._OPEN)
             if start < 0:
@@ -177,23 +187,16 @@ def _glm_json(raw: str) -> str:
         return json.dumps(raw, ensure_ascii=False)
 
 
-class KimiK2Scanner(CallScanner):
+class KimiK2Scanner(PieceScanner):
     """`<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>` per call;
     the arguments stream as written, the call id is the model's own `functions.NAME:IDX`."""
 
     _BEGIN, _ARGS, _END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
     def __init__(self) -> None:
-        self._buffer = ""
+        super().__init__()
         self._state = "between"  # between calls, in a call's id, or in its arguments
         self._args = ""  # the current call's arguments so far
-
-    def feed(self, text: str) -> list[CallEvent]:
-        self._buffer += text
-        events: list[CallEvent] = []
-        while self._step(events):
-            pass
-        return events
 
     def _step(self, events: list[CallEvent]) -> bool:
         if self._state == "between":
