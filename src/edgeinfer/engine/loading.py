@@ -16,12 +16,13 @@ from torch import nn
 
 from edgeinfer.engine.attention.oneshot import prefill_hidden
 from edgeinfer.engine.attention.storage import kv_bytes_per_token
+from edgeinfer.engine.cache_dir import cache_root
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.model.loader import Checkpoint
 from edgeinfer.engine.model.loader.base import cast_floating
 from edgeinfer.engine.model.registry import build_model
 from edgeinfer.engine.model.skip_init import SkipInit
-from edgeinfer.engine.prepared import PreparedCache, cache_root, entry_key, source_digest
+from edgeinfer.engine.prepared import PreparedCache, entry_key, source_digest
 from edgeinfer.engine.quant import kernels
 from edgeinfer.engine.quant.apply import quantize_model
 from edgeinfer.engine.quant.base import WeightMethod, get_weight_method
