@@ -126,3 +126,27 @@ def test_file_that_is_not_gguf(tmp_path: Path) -> None:
     path.write_bytes(b"\0" * 16)
     with pytest.raises(CheckpointError, match=r"weights\.bin: not a checkpoint"):
         open_checkpoint(path)
+
+
+def test_every_dtype_and_shape_is_read_as_stored(tmp_path: Path) -> None:
+    """Tensors are read from the file, not memory-mapped: every safetensors dtype, a scalar and an empty
+    tensor come back as `safetensors` itself reads them, and `None` keeps each one's dtype."""
+    gen = torch.Generator().manual_seed(0)
+    floats = {str(d): torch.randn(3, 5, generator=gen).to(d) for d in (*_FLOATS, torch.float8_e5m2)}
+    ints = {str(d): torch.randint(0, 100, (4, 2), generator=gen).to(d) for d in (*_INTS, torch.uint64)}
+    shapes = {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 7), "flags": torch.tensor([True, False])}
+    stored = floats | ints | shapes
+    path = write_dir(tmp_path / "m", stored)
+    got = dict(open_checkpoint(path).iter_tensors(None))
+    assert set(got) == set(stored)
+    for name, tensor in stored.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(_bytes(got[name]), _bytes(tensor)), name
+
+
+_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+_INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)  # by bytes: float8 has no equality of its own

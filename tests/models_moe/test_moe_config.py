@@ -131,6 +131,18 @@ def test_a_missing_expert_is_named(moe_models):
         build_model(config(moe_models, "qwen3_moe")).load_weights(tensors.items())
 
 
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_a_repeated_expert_is_named(where, moe_models):
+    """A tensor given twice is refused, whether its stack was complete (and may have been quantized
+    already) or not."""
+    tensors = _tensors(moe_models, "qwen3_moe")
+    name = "model.layers.1.mlp.experts.6.up_proj.weight"
+    items = list(tensors.items())
+    items.insert(len(items) if where == "after" else 0, (name, tensors[name]))
+    with pytest.raises(ValueError, match=r"fills .*layers\.1\.mlp\.experts\.gate_up_proj.* twice"):
+        build_model(config(moe_models, "qwen3_moe")).load_weights(items)
+
+
 def test_an_expert_beyond_the_config_is_named(moe_models):
     tensors = _tensors(moe_models, "qwen3_moe")
     tensors["model.layers.1.mlp.experts.8.down_proj.weight"] = torch.zeros(64, 32)

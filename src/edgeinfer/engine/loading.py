@@ -20,6 +20,7 @@ from edgeinfer.engine.cache_dir import cache_root
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.model.loader import Checkpoint
 from edgeinfer.engine.model.loader.base import cast_floating
+from edgeinfer.engine.model.moe_lm import MoeCausalLM
 from edgeinfer.engine.model.registry import build_model
 from edgeinfer.engine.model.skip_init import SkipInit
 from edgeinfer.engine.prepared import PreparedCache, entry_key, source_digest
@@ -124,7 +125,7 @@ def _load_fresh(
     if stored is not None:
         _load_quantized(model, ckpt, stored, config, dtype, device)
     else:
-        model.load_weights(ckpt.iter_tensors(_load_dtype(model, dtype)))
+        _load_float_weights(model, ckpt, dtype, config)
         if config.quantization:
             _quantize_float_model(model, ckpt, config, dtype, device, tokenizer)
     if _wants_cpu_gemv(config, device):
@@ -288,10 +289,22 @@ def head_method(spec: str, weights: WeightMethod) -> WeightMethod | None:
     return parse_quantization(spec)
 
 
-def _load_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
+def _load_float_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, config: EngineConfig) -> None:
+    """Fill the model from a float checkpoint. To be quantized, a MoE quantizes each expert stack as soon as
+    it is filled, so it never holds a float copy of every expert; calibration (which leaves the experts
+    alone) then runs through the quantized experts, as the served model will."""
+    tensors = ckpt.iter_tensors(_load_dtype(model, dtype))
+    if config.quantization and isinstance(model, MoeCausalLM):
+        model.load_weights(tensors, expert_method=parse_quantization(config.quantization))
+    else:
+        model.load_weights(tensors)
+
+
+def _load_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype | None:
     """Models that keep some weights in fp32 whatever the serving dtype (sigmoid MoE routers, as HF does)
-    receive every tensor in fp32; copying into a parameter casts to that parameter's dtype."""
-    return torch.float32 if getattr(model, "keeps_fp32_weights", False) else dtype
+    receive every tensor as stored (None): copying into a parameter casts to that parameter's dtype, so the
+    fp32 ones are not rounded, and no fp32 copy of each bf16 tensor is made on the way."""
+    return None if getattr(model, "keeps_fp32_weights", False) else dtype
 
 
 #: what the number after `:` sets per method, and its default when the spec has none

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,9 +24,10 @@ from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
 from edgeinfer.engine.model.mla import MLAShape, MultiLatentAttention
-from edgeinfer.engine.model.moe import MoeSpec, SparseMoeBlock
+from edgeinfer.engine.model.moe import EXPERT_STACKS, FusedExperts, MoeSpec, SparseMoeBlock
 from edgeinfer.engine.model.moe_weights import load_moe_weights
 from edgeinfer.engine.model.weights import Shard
+from edgeinfer.engine.quant.base import WeightMethod
 from edgeinfer.engine.quant.layers import logits_fp32
 
 
@@ -99,7 +101,8 @@ class MoeCausalLM(nn.Module):
     @property
     def keeps_fp32_weights(self) -> bool:
         """Sigmoid routers keep their weight and correction bias in fp32 (HF's `_keep_in_fp32_modules`);
-        the loader then hands us fp32 tensors so the bias is not rounded to bf16 on the way in."""
+        the loader then hands us tensors as stored, cast only into each parameter's own dtype, so the bias
+        is not rounded to bf16 on the way in."""
         return self.args.moe.router.scoring == "sigmoid"
 
     def set_latent_attention(self, latent: LatentAttention) -> None:
@@ -123,9 +126,13 @@ class MoeCausalLM(nn.Module):
             return logits.float() if out is None else out.copy_(logits)
         return logits_fp32(self.lm_head, hidden, out)
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], expert_method: WeightMethod | None = None
+    ) -> None:
         """HF-named tensors; routed experts per expert (`experts.{e}.gate_proj.weight`, as `save_pretrained`
-        writes them) or fused (`experts.gate_up_proj`, as transformers v5 holds them in memory)."""
+        writes them) or fused (`experts.gate_up_proj`, as transformers v5 holds them in memory). With
+        `expert_method` each expert stack is quantized as soon as its last tensor arrives: the routed
+        experts are most of a MoE's weights, and a float copy of all of them never exists."""
         a = self.args
         shards = []  # gate/up halves need no shard: the loader splits every `gate_up_proj` in two
         if isinstance(a.attention, AttentionShape):
@@ -139,4 +146,12 @@ class MoeCausalLM(nn.Module):
                 Shard("qkv_proj", "v_proj", q + kv, kv),
             ]
         ignore = ("rotary_emb.inv_freq",) + (("lm_head.",) if a.tie_embeddings else ())
-        load_moe_weights(self, tensors, shards, a.num_layers, ignore)
+        filled = None if expert_method is None else partial(self._quantize_stack, expert_method)
+        load_moe_weights(self, tensors, shards, a.num_layers, ignore, filled)
+
+    def _quantize_stack(self, method: WeightMethod, name: str) -> None:
+        """Quantize the parameter `name` if it is an expert stack (other parameters stay float)."""
+        owner, _, leaf = name.rpartition(".")
+        experts = self.get_submodule(owner)
+        if isinstance(experts, FusedExperts) and leaf in EXPERT_STACKS:
+            experts.quantize_weights(method, (leaf,))

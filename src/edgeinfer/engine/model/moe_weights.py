@@ -11,7 +11,7 @@ skipped: the engine decodes one token per step, as HF does.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -29,10 +29,13 @@ def load_moe_weights(
     shards: list[Shard],
     num_layers: int,
     ignore: tuple[str, ...] = (),
+    filled: Callable[[str], None] | None = None,
 ) -> None:
     """Copy every tensor into its parameter (slice); raise if a tensor has no home, or a parameter was
-    not filled exactly once."""
-    params = dict(model.named_parameters())
+    not filled exactly once. `filled(name)` is called as each parameter receives its last values (it may
+    replace the parameter: nothing here holds on to a filled one)."""
+    params = {n: p.data for n, p in model.named_parameters()}  # a filled one: a meta tensor of its shape
+    sizes = {n: p.numel() for n, p in params.items()}
     written = dict.fromkeys(params, 0)
     for name, tensor in tensors:
         if any(p in name for p in ignore) or _is_extra_layer(name, num_layers):
@@ -43,11 +46,16 @@ def load_moe_weights(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
             )
         dest.copy_(tensor)
-        written[target] += dest.numel()
-    missing = [n for n, p in params.items() if written[n] < p.numel()]
+        del dest
+        written[target] += tensor.numel()
+        if written[target] == sizes[target]:
+            params[target] = params[target].to("meta")
+            if filled is not None:
+                filled(target)
+    missing = [n for n in sizes if written[n] < sizes[n]]
     if missing:
         raise ValueError(f"checkpoint lacks tensors for {len(missing)} parameters, e.g. {missing[:3]}")
-    repeated = [n for n, p in params.items() if written[n] > p.numel()]
+    repeated = [n for n in sizes if written[n] > sizes[n]]
     if repeated:
         raise ValueError(f"checkpoint fills {len(repeated)} parameters twice, e.g. {repeated[:3]}")
 
@@ -57,7 +65,7 @@ def _is_extra_layer(name: str, num_layers: int) -> bool:
     return m is not None and int(m["i"]) >= num_layers
 
 
-def _destination(name: str, params: dict[str, nn.Parameter], shards: list[Shard]) -> tuple[str, torch.Tensor]:
+def _destination(name: str, params: dict[str, torch.Tensor], shards: list[Shard]) -> tuple[str, torch.Tensor]:
     """The parameter a tensor belongs to and the view of it the tensor fills."""
     m = _EXPERT.match(name)
     if m:
@@ -66,24 +74,24 @@ def _destination(name: str, params: dict[str, nn.Parameter], shards: list[Shard]
         token = f".{shard.part}."
         if token in name:
             target = name.replace(token, f".{shard.fused}.")
-            return target, _param(params, target, name).data.narrow(0, shard.start, shard.size)
+            return target, _unfilled(params, target, name).narrow(0, shard.start, shard.size)
     for part, half in _HALVES.items():
         token = f".{part}."
         if token in name:
             target = name.replace(token, ".gate_up_proj.")
-            return target, _half(_param(params, target, name).data, half)
-    return name, _param(params, name, name).data
+            return target, _half(_unfilled(params, target, name), half)
+    return name, _unfilled(params, name, name)
 
 
 def _expert_destination(
-    name: str, m: re.Match[str], params: dict[str, nn.Parameter]
+    name: str, m: re.Match[str], params: dict[str, torch.Tensor]
 ) -> tuple[str, torch.Tensor]:
     proj, e = m["proj"], int(m["e"])
     target = f"{m['prefix']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
     param = _param(params, target, name)
     if e >= param.shape[0]:
         raise ValueError(f"checkpoint tensor {name!r} names expert {e}; the model has {param.shape[0]}")
-    dest = param.data[e]
+    dest = _unfilled(params, target, name)[e]
     return target, dest if proj == "down_proj" else _half(dest, _HALVES[proj])
 
 
@@ -92,8 +100,16 @@ def _half(t: torch.Tensor, which: int) -> torch.Tensor:
     return t.narrow(0, which * n, n)
 
 
-def _param(params: dict[str, nn.Parameter], target: str, name: str) -> nn.Parameter:
+def _param(params: dict[str, torch.Tensor], target: str, name: str) -> torch.Tensor:
     try:
         return params[target]
     except KeyError:
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model") from None
+
+
+def _unfilled(params: dict[str, torch.Tensor], target: str, name: str) -> torch.Tensor:
+    """The parameter `target` that tensor `name` goes to, unless it was filled already."""
+    param = _param(params, target, name)
+    if param.is_meta:
+        raise ValueError(f"checkpoint tensor {name!r} fills parameter {target!r} twice")
+    return param

@@ -49,10 +49,11 @@ def capture(model: nn.Module, reference: nn.Module) -> tuple[dict[str, torch.Ten
 def restore(model: nn.Module, tensors: dict[str, torch.Tensor], spec: dict[str, Any]) -> nn.Module:
     """Rebuild `spec`'s swaps on `model` (built on the meta device) and assign `tensors`; return it."""
     for entry in spec["swapped"]:
-        set_submodule(model, entry["name"], _new_module(entry["class"], entry["attrs"]))
+        _swap(model, entry["name"], _new_module(entry["class"], entry["attrs"]))
     params: dict[str, nn.Parameter] = {}
     for name, slots in spec["slots"].items():
         module = model.get_submodule(name) if name else model
+        _drop_unrecorded(module, slots)
         for local, (kind, source, persistent) in slots.items():
             module._parameters.pop(local, None)
             module._buffers.pop(local, None)
@@ -65,6 +66,26 @@ def restore(model: nn.Module, tensors: dict[str, torch.Tensor], spec: dict[str, 
                 module.register_buffer(local, tensor, persistent=persistent)
     _check_materialised(model)
     return model
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` at dotted `name`. Loading may have replaced a tensor by a module of the same name (a float
+    expert stack by its quantized one), so the reference's parameter or buffer there makes way first."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    parent._parameters.pop(child, None)
+    parent._buffers.pop(child, None)
+    parent._non_persistent_buffers_set.discard(child)
+    set_submodule(model, name, new)
+
+
+def _drop_unrecorded(module: nn.Module, slots: dict[str, list]) -> None:
+    """Remove the reference's tensors that the captured module no longer held (loading deleted them), so
+    none stays behind on the meta device."""
+    for table in (module._parameters, module._buffers):
+        for local in [n for n in table if n not in slots]:
+            del table[local]
+    module._non_persistent_buffers_set.intersection_update(slots)
 
 
 def _slots(

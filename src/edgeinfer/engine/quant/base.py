@@ -174,6 +174,19 @@ def ct_args(**kw: Any) -> dict[str, Any]:
     return {"group_size": None, "dynamic": False, "actorder": None, **kw}
 
 
+# Weights quantized at once. Quantized whole, a stack of experts makes fp32 temporaries twice its own size
+# (a dozen for each step of int4's grid search), and the kernel faults every one of them in afresh; in
+# slices of this size they stay in the caches and their memory is reused.
+CHUNK_ELEMS = 1 << 18
+
+
+def row_chunks(rows: int, width: int) -> list[slice]:
+    """Consecutive slices of `rows` rows of `width` values, about `CHUNK_ELEMS` values each (at least one
+    row)."""
+    step = max(1, CHUNK_ELEMS // max(1, width))
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
 def flatten_tokens(x: torch.Tensor, in_features: int) -> torch.Tensor:
     """`[..., in]` -> contiguous `[M, in]`, with a clear error for the wrong width."""
     if x.shape[-1] != in_features:

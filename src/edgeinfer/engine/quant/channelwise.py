@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from edgeinfer.engine.quant.base import PreparedWeight, QuantizationError, WeightMethod
+from edgeinfer.engine.quant.base import PreparedWeight, QuantizationError, WeightMethod, row_chunks
 
 
 class ChannelwiseMethod(WeightMethod):
@@ -23,11 +23,19 @@ class ChannelwiseMethod(WeightMethod):
     def widen(self, q: torch.Tensor) -> torch.Tensor:
         """Stored values -> a float tensor holding them exactly."""
 
+    def transform(self, rows: torch.Tensor) -> torch.Tensor:
+        """What is quantized of a weight's rows `[..., K]` (int8 rotates them); by default the rows."""
+        return rows
+
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         if weight.dim() < 2:
             raise QuantizationError(f"{self.name} quantizes matrices, got shape {tuple(weight.shape)}")
-        q, scale = self.quantize_rows(weight)
-        return {"weight": q, "weight_scale": scale}
+        rows = weight.detach().reshape(-1, weight.shape[-1])
+        q = torch.empty(rows.shape, dtype=self.storage_dtype, device=weight.device)
+        scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=weight.device)
+        for part in row_chunks(*rows.shape):
+            q[part], scale[part] = self.quantize_rows(self.transform(rows[part]))
+        return {"weight": q.view(weight.shape), "weight_scale": scale.view(*weight.shape[:-1], 1)}
 
     def dequantize(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return (self.widen(state["weight"]).float() * state["weight_scale"].float()).to(dtype)

@@ -82,8 +82,8 @@ class Int8Method(ChannelwiseMethod):
         h = _hadamard(block, t.device)
         return (t.float().reshape(*t.shape[:-1], k // block, block) @ h).reshape(t.shape)
 
-    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        return super().quantize(self.rotate(weight))
+    def transform(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.rotate(rows)
 
     def dequantize(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self.rotate(super().dequantize(state, torch.float32)).to(dtype)

@@ -181,7 +181,7 @@ def smooth_model(
         ):
             continue
         sample = samples[names[0]]
-        weights = [lin.weight.detach().float() for _, lin in group.linears]
+        weights = [lin.weight.detach() for _, lin in group.linears]
         m = head_method if group.name == "lm_head" and head_method is not None else method
         label, scale, err0, err = search_scale(sample, weights, m, sample.dtype, alphas)
         report.chosen[group.name] = (label, err0, err)
@@ -230,8 +230,9 @@ def search_scale(
     quantized layers on the calibration rows (`mean^0`, unscaled, is the first candidate)."""
     x = sample.rows
     # Rows quantize independently, so an even subset of a wide layer's output rows estimates its error;
-    # the 262k-row Gemma lm_head otherwise costs ~40 GFLOP per candidate.
-    weights = [w[:: max(1, w.shape[0] // SEARCH_ROWS)] for w in weights]
+    # the 262k-row Gemma lm_head otherwise costs ~40 GFLOP per candidate. Only the subset is widened to
+    # fp32: a widened copy of a whole lm_head would be the largest allocation of a load.
+    weights = [w[:: max(1, w.shape[0] // SEARCH_ROWS)].float() for w in weights]
     refs = [x @ w.t() for w in weights]
     norm = sum(float(r.square().sum()) for r in refs) or 1.0
     best: tuple[str, torch.Tensor, float] | None = None

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -14,6 +15,24 @@ from edgeinfer.engine.model.loader.base import Checkpoint, cast_floating, with_p
 from edgeinfer.engine.model.loader.errors import CheckpointError, one_line
 
 _INDEX_FILE = "model.safetensors.index.json"
+_U64 = struct.Struct("<Q")  # the header's length, first in the file
+_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class SafetensorsCheckpoint(Checkpoint):
@@ -32,18 +51,45 @@ class SafetensorsCheckpoint(Checkpoint):
     def tensor_names(self) -> list[str]:
         return [name for file in self._files for name in self._names[file]]
 
-    def iter_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(self, dtype: torch.dtype | None = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         total = sum(len(names) for names in self._names.values())
         yield from with_progress(self._iter_all(dtype), total, desc=f"Loading {self.path.name}")
 
-    def _iter_all(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_all(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self._files:
             try:
-                with safe_open(str(file), framework="pt") as handle:
-                    for name in self._names[file]:
-                        yield name, cast_floating(handle.get_tensor(name), dtype)
-            except (OSError, RuntimeError, ValueError) as exc:
+                for name, tensor in read_tensors(file, self._names[file]):
+                    yield name, cast_floating(tensor, dtype)
+            except (OSError, RuntimeError, ValueError, KeyError) as exc:
                 raise CheckpointError(f"{file}: cannot read tensors ({one_line(exc)})") from exc
+
+
+def read_tensors(file: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`names`' tensors of a safetensors file, each read into a tensor of its own. Not through a memory
+    map (as `safe_open` reads): every page of a mapped file stays in the process's resident memory until
+    the whole file is closed, so loading a checkpoint held it twice, once mapped and once in the model."""
+    with open(file, "rb", buffering=0) as f:
+        (size,) = _U64.unpack(f.read(_U64.size))
+        header = json.loads(f.read(size))
+        for name in names:
+            info = header[name]
+            start, end = info["data_offsets"]
+            tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+            f.seek(_U64.size + size + start)
+            _read_into(f, tensor, end - start)
+            yield name, tensor
+
+
+def _read_into(f: BinaryIO, tensor: torch.Tensor, nbytes: int) -> None:
+    if tensor.numel() * tensor.element_size() != nbytes:
+        raise ValueError(f"a tensor's byte range ({nbytes}) does not match its shape and dtype")
+    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < nbytes:
+        got = f.readinto(view[done:])
+        if not got:
+            raise ValueError("the file ends inside a tensor")
+        done += got
 
 
 def read_config_json(directory: Path) -> dict[str, Any]:
