@@ -37,8 +37,8 @@ sys.path[:0] = [str(REPO / "src"), str(REPO / "bench")]
 from docs_table import replace_section  # noqa: E402
 from startup import cpu_flags  # noqa: E402
 
+from edgeinfer.api.keys import hash_key  # noqa: E402
 from edgeinfer.bench.audit_cache import audit, fresh_prompt, ttft  # noqa: E402
-from edgeinfer.node.keys import hash_key  # noqa: E402
 
 MODEL = "gemma-3-270m"
 TENANTS = [f"t{i}" for i in range(16)]

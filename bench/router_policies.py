@@ -1,5 +1,5 @@
 """Routing policies on a 3-location loopback fleet with `--emulate-rtt` and skewed demand: the router's
-TTFT ranking (`--strategy ttft`) against the `nearest` and `least_loaded` baselines.
+TTFT ranking (`--strategy ttft`) against the `nearest` and `least-loaded` baselines.
 
 NATS, one node process per location (FRA, AMS, LHR; a tiny random Llama, two sequence slots each) and one
 router per strategy (all at FRA, all emulating the fleet file's RTTs) run on loopback. The FRA node's
@@ -36,7 +36,7 @@ from helpers.tiny_models import make_tiny  # noqa: E402
 from edgeinfer.fleet.nats_server import start_nats  # noqa: E402
 
 SECTION = "router-policies"
-STRATEGIES = ("ttft", "nearest", "least_loaded")
+STRATEGIES = ("ttft", "nearest", "least-loaded")
 LOCATIONS = (("FRA", 50.03, 8.57), ("AMS", 52.31, 4.76), ("LHR", 51.47, -0.45))
 RTT_MS = {"FRA-AMS": 20.0, "FRA-LHR": 30.0, "AMS-LHR": 16.0}  # emulated round trips
 MAX_TOKENS = 24

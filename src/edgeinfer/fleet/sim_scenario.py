@@ -6,6 +6,7 @@ Relative paths (the profile) resolve against the scenario's folder, then against
 
 from __future__ import annotations
 
+import enum
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
@@ -14,12 +15,11 @@ from typing import Any
 
 from edgeinfer.fleet.sim_geo import SimNetwork
 from edgeinfer.fleet.sim_host import HostSpec
-from edgeinfer.router.policy import PolicyName
 
 PACKAGED = Path(__file__).parent
 
 
-class SimPolicy(PolicyName):
+class SimPolicy(enum.StrEnum):
     """The policies a scenario compares: the router's own and three baselines (sim_policies.py)."""
 
     ROUTER = "router"

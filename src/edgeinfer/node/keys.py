@@ -15,8 +15,6 @@ import sys
 
 from edgeinfer.api.keys import generate_key, hash_key, tenant_snippet
 
-__all__ = ["generate_key", "hash_key", "main", "tenant_snippet"]
-
 
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "new":

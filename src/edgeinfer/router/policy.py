@@ -35,18 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
-class PolicyName(enum.StrEnum):
-    """A policy's name in flags and files, spelled with hyphens; the underscore spelling (`least_loaded`)
-    still names the same policy, so command lines written for it keep working."""
-
-    @classmethod
-    def _missing_(cls, value: object) -> enum.Enum | None:
-        if isinstance(value, str) and "_" in value:
-            return cls._value2member_map_.get(value.replace("_", "-"))
-        return None
-
-
-class Strategy(PolicyName):
+class Strategy(enum.StrEnum):
     """How candidates are ranked: expected time to first token, or one of the two baselines."""
 
     TTFT = "ttft"
