@@ -10,14 +10,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgeinfer.engine.checkpoint_files import read_weight_files
 from edgeinfer.pool.member import EMBED, GENERATE, EmbeddingMember, LocalMember, PoolMember
 from edgeinfer.pool.spec import LOCAL, MemberSpec, PublicPrefixes
 from edgeinfer.pool.upstream import UpstreamMember
 
 if TYPE_CHECKING:
     from edgeinfer.engine.config import EngineConfig
-
-_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
 
 
 class MemberLoader(abc.ABC):
@@ -138,6 +137,4 @@ def checkpoint_version(path: Path | None, quantization: str | None) -> str:
 def _weight_files(path: Path | None) -> list[Path]:
     if path is None or not path.exists():
         return []
-    if path.is_file():
-        return [path]
-    return sorted(f for f in path.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
+    return read_weight_files(path)

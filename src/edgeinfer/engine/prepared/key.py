@@ -1,8 +1,8 @@
 """What a prepared-form cache entry is keyed by, and where the caches live.
 
 An entry is valid for one source checkpoint (its content), one set of load settings (dtype, device,
-quantization), one layout of the runtime tensors and one CPU. The source's content hash is costly (a
-253 MB GGUF hashes in ~0.5 s), so it is stored beside the entries and reused while the files' stat key
+quantization), one layout of the runtime tensors and one CPU. The source's content hash is costly (it
+reads every byte of the checkpoint), so it is stored beside the entries and reused while the files' stat key
 (path, size, mtime, inode) is unchanged: replacing a file in place, or touching it, rehashes it.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import edgeinfer
+from edgeinfer.engine.checkpoint_files import read_weight_files
 
 # Bump when the runtime form of any prepared module changes (a new kernel layout, renamed buffers, a new
 # field on a module): every older entry then misses. The code fingerprint below catches most such changes
@@ -29,14 +30,12 @@ LAYOUT_VERSION = 1
 _CODE_DIRS = ("engine/model", "engine/quant")
 _CODE_SUFFIXES = (".py", ".cpp")
 _READ_BYTES = 8 << 20
-_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".eiz", ".json")
 
 
 def source_files(path: Path) -> list[Path]:
-    """The files a checkpoint's weights and config come from (a file, or a directory's weight files)."""
-    if path.is_file():
-        return [path]
-    return sorted(f for f in path.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
+    """The files a checkpoint's weights and config come from (a file, or a directory's weight and JSON
+    files)."""
+    return read_weight_files(path, (".json",))
 
 
 def source_digest(path: Path, root: Path) -> str:

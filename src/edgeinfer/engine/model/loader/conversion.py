@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from edgeinfer.engine.checkpoint_files import WEIGHT_SUFFIXES
 from edgeinfer.engine.model.loader.codec import COMPRESSED_FILE, CompressStats, compress_tensors
 from edgeinfer.engine.model.loader.errors import CheckpointError
 
@@ -23,7 +24,6 @@ log = logging.getLogger(__name__)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 #: files never carried into a converted checkpoint (weights, their index, loader caches' stamps)
 _NOT_CARRIED = (SAFETENSORS_INDEX, "config.json", "edgeinfer_source.json")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf", ".eiz")
 
 
 @dataclass
@@ -97,7 +97,7 @@ def write_output_files(dst: Path, source: CheckpointSource, config: dict[str, An
     copied = []
     if source.side_dir is not None and source.side_dir.is_dir():
         for path in sorted(source.side_dir.iterdir()):
-            if path.is_file() and path.suffix not in _WEIGHT_SUFFIXES and path.name not in _NOT_CARRIED:
+            if path.is_file() and path.suffix not in WEIGHT_SUFFIXES and path.name not in _NOT_CARRIED:
                 shutil.copy2(path, dst / path.name)
                 copied.append(path.name)
     return copied
