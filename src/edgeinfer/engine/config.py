@@ -38,11 +38,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     # A step's token budget is what fits in this time by the cost of recent steps (scheduler/step_cost.py),
     # at most max_num_batched_tokens: a request arriving during someone's long prefill waits about one
-    # such step, not 1,024 tokens' worth (~1.4 s for Gemma 3 270M on two CPU cores). None: always the max.
+    # such step, not a whole max_num_batched_tokens' worth (long on a small CPU). None: always the max.
     max_step_ms: float | None = 250.0
     # The same while more than one tenant is present (scheduler.py): a tenant's first token waits for
-    # little of another's prefill (victim TTFT under a flood 3.4x -> 1.4x solo at 250 -> 70 ms, measured
-    # in docs/benchmarks.md), paid in the flooder's prefill throughput. None: max_step_ms throughout.
+    # little of another's prefill, so a flood barely delays a victim's first token (docs/benchmarks.md,
+    # shared-cache protection), paid in the flooder's prefill throughput. None: max_step_ms throughout.
     shared_step_ms: float | None = 75.0
     batch_window_ms: float = 2.0
     scheduling_policy: str = "fcfs"
@@ -59,15 +59,16 @@ class EngineConfig:
     public_system_prompts: tuple[str, ...] = ()
     quantization: str | None = None
     # With `quantization`: how the (often tied) lm_head and embeddings are stored. `auto` is int8 under
-    # int4 weights (as Q4_K_M keeps its token embedding in Q8_0; int4's GEMV kernel is also 2x slower
-    # than int8 on the 262k-row Gemma lm_head once several sequences decode), else the weights' method;
+    # int4 weights (as Q4_K_M keeps its token embedding in Q8_0; int4's GEMV kernel is also slower than
+    # int8's on a vocabulary-wide lm_head once several sequences decode), else the weights' method;
     # `none` keeps them in float; or any `quantization` value.
     lm_head_quantization: str = "auto"
-    # Layers on CPU multiplied by our kernels (quant/kernels, compiled at first use, ~20 s, variants
+    # Layers on CPU multiplied by our kernels (quant/kernels, compiled once at first use, variants
     # picked by CPU feature at run time). int8 and int4 (AVX512-VNNI, else AVX2): int8 products of <= 16
-    # rows bit for bit as `_int_mm`, on the same codes (Gemma 3 270M's lm_head at one row 17.5 -> 7.8 ms);
-    # int4 with activations rounded to int8 per group (W4A8, as llama.cpp multiplies Q4/Q5 blocks by Q8 ones;
-    # perplexity -0.07 % +- 0.30 % against W4A16): 4x torch's int4 kernel at one row, 1.8x at 512. bf16
+    # rows bit for bit as `_int_mm`, on the same codes, and faster at those row counts; int4 with
+    # activations rounded to int8 per group (W4A8, as llama.cpp multiplies Q4/Q5 blocks by Q8 ones; no
+    # perplexity change measurable against W4A16), faster than torch's int4 kernel at every row count
+    # (docs/quantization.md, our CPU kernels). bf16
     # linear layers, fp32 sums (kernels/bf16.py): products of <= 64 rows on AVX512-BF16 without AMX, else
     # <= 16 rows on AVX-512 (4 on AVX2, 2 with AMX). A model on these kernels also takes our ops for norms,
     # rope, the gated activation and paged decode attention (kernels/decode.py). None
@@ -79,14 +80,14 @@ class EngineConfig:
     # built-in text before quantizing (quant/smoothing.py); a few seconds at load.
     calibrate_quantization: bool = True
     # int4 with calibration: round the decoder layers by GPTQ (quant/gptq.py) on this text instead of to
-    # nearest: `enwiki` (Wikipedia prose from gensim's test data) or a UTF-8 file. On Gemma 3 270M the
-    # perplexity rise goes +5.9 % -> +4.5 % (16,384 tokens; docs/quantization.md); it costs ~5 minutes at
-    # load on 2 cores, so for serving quantize once with `edgeinfer quantize --gptq`.
+    # nearest: `enwiki` (Wikipedia prose from gensim's test data) or a UTF-8 file. It lowers int4's
+    # perplexity rise (docs/quantization.md), but costs minutes at load on a small CPU, so for serving
+    # quantize once with `edgeinfer quantize --gptq`.
     gptq_calibration: str | None = None
     # torch.compile one-sequence decode steps, the whole forward as one graph (model/compile.py), for
     # models the fused C++ decode step does not take (MoE, MLA, int8/fp8 weights, a quantized KV cache,
     # torch's kernels): where it takes the model it is faster than the graph, so nothing is compiled.
-    # Needs a C++ compiler; compiles for ~2-3 minutes on first use; falls back to eager with a warning.
+    # Needs a C++ compiler; compiles for minutes on first use; falls back to eager with a warning.
     # Inductor's fp32 intermediates can change greedy tokens, so it is off by default.
     compile: bool = False
     kv_cache_dtype: str = "auto"

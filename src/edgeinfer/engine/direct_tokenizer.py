@@ -2,7 +2,7 @@
 
 The tokenizer we save from a GGUF's metadata is a whole `tokenizers` serialization (normalizer, pre-tokenizer,
 post-processor adding BOS, decoder, added tokens) plus a `tokenizer_config.json` naming the special tokens.
-Serving only needs that much, and importing transformers costs ~1 s of a ~4 s cached start, so
+Serving only needs that much, and importing transformers is a large share of a cached start, so
 `DirectTokenizer` offers the part of `PreTrainedTokenizerFast`'s interface the engine uses over the
 `tokenizers.Tokenizer` itself. A config with any setting beyond the special tokens' names (say
 `add_bos_token`, which transformers applies by rewriting the post-processor) is not read here:

@@ -74,7 +74,7 @@ class LLMEngine:
         self.model_config = ckpt.config
         dtype = resolve_dtype(config.dtype, self.device)
         with ThreadPoolExecutor(1, thread_name_prefix="edgeinfer-tokenizer") as aside:
-            # SentencePiece reads its model without the GIL (~0.1 s for Gemma 3) while the weights load;
+            # SentencePiece reads its model without the GIL, so it overlaps the weights' load;
             # a tokenizer that cannot be read is reported once they have
             tokenizer = aside.submit(Tokenizer.from_checkpoint, ckpt)
             self.model = load_model(ckpt, dtype, self.device, config, tokenizer.result)

@@ -64,7 +64,7 @@ class EngineLayout:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bf16: fast on modern CPUs and GPUs (fp16 matmuls are ~500x slower on these CPUs)."""
+    """`auto` is bf16: fast on modern CPUs and GPUs (fp16 matmuls are far slower on CPUs)."""
     if name == "auto":
         return torch.bfloat16
     return _DTYPES[name]

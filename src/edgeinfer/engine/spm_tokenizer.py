@@ -1,12 +1,12 @@
-"""A SentencePiece-vocabulary GGUF's tokenizer, read by `sentencepiece` in a tenth of a second.
+"""A SentencePiece-vocabulary GGUF's tokenizer, read quickly by `sentencepiece`.
 
-`tokenizers` parses the saved tokenizer.json of Gemma 3's 262k-piece vocabulary in ~1.3 s, one GIL hold
-(its 514,906 BPE merges most of it): most of a cached start, and a stall for every running stream while a
+`tokenizers` is slow to parse the saved tokenizer.json of a large vocabulary such as Gemma 3's, in one GIL
+hold (its BPE merges most of it): most of a cached start, and a stall for every running stream while a
 pool brings up another model. A GGUF whose vocabulary is SentencePiece's (`tokenizer.ggml.model = llama`)
 carries what SentencePiece's own model file holds: each piece with its score and type (without a dummy
 prefix: tokenizer.py writes it only where `tokenizer.ggml.add_space_prefix` is false). We write those as
 SentencePiece's model proto (`spm.model`) beside the saved tokenizer.json, with the tokenizer's added tokens
-(`spm_added.json`), and read them with `sentencepiece` (~0.08 s).
+(`spm_added.json`), and read them with `sentencepiece`, which loads them many times faster.
 
 It encodes as transformers' tokenizer of the same GGUF does: added tokens (control tokens such as
 `<start_of_turn>`, and the non-special ones such as newline runs) are matched in the raw text first, leftmost

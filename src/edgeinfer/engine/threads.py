@@ -56,10 +56,10 @@ async def run_in_own_thread(fn: Callable[[], T], name: str = "edgeinfer-load") -
 
     OpenMP keeps a team of worker threads for every thread that ran a parallel op, for as long as that
     thread lives; while more OpenMP threads exist than cores, libgomp's workers stop spinning between
-    parallel regions and sleep, so every region of a decode step pays two futex wake-ups (measured on
-    `edgeinfer serve`, 2 cores: ~80 a token, one stream 4-6 ms a token slower than the same engine
-    stepped in-process). The default executor's threads outlive their work, so a model loaded there left
-    its team behind; one-off torch work (loading a model) runs here instead and takes its team with it.
+    parallel regions and sleep, so every region of a decode step pays two futex wake-ups, which makes a
+    served stream visibly slower than the same engine stepped in-process. The default executor's threads
+    outlive their work, so a model loaded there would leave its team behind; one-off torch work (loading
+    a model) runs here instead and takes its team with it.
     """
     loop = asyncio.get_running_loop()
     done: asyncio.Future[T] = loop.create_future()

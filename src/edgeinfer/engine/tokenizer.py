@@ -1,8 +1,8 @@
 """The engine's tokenizer: a HF fast tokenizer behind a small API, built from any checkpoint we can open.
 
-A GGUF carries its vocabulary as metadata; transformers rebuilds a tokenizer from it (~20 s for Gemma's 262k
-vocabulary, mostly deriving the BPE merges), so the result is saved as tokenizer.json in the checkpoint's
-`tokenizer_dir` and later starts load that instead.
+A GGUF carries its vocabulary as metadata; transformers rebuilds a tokenizer from it (slow for a large
+vocabulary such as Gemma's, mostly deriving the BPE merges), so the result is saved as tokenizer.json in the
+checkpoint's `tokenizer_dir` and later starts load that instead.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from edgeinfer.engine.spm_tokenizer import ADDED_FILE, MODEL_FILE, SpmTokenizer,
 from edgeinfer.structured.formats import FORMATS, THINKING_FORMATS, format_for
 from edgeinfer.structured.prompt import json_form_messages
 
-if TYPE_CHECKING:  # transformers is imported only where a tokenizer needs it (~1 s of a start)
+if TYPE_CHECKING:  # transformers is imported only where a tokenizer needs it (a large share of a start)
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -195,11 +195,11 @@ def _gguf_tokenizer(gguf_path: Path, cache_dir: Path) -> PreTrainedTokenizerBase
 
 def _load_saved(directory: Path) -> PreTrainedTokenizerBase | DirectTokenizer | SpmTokenizer:
     """The tokenizer we saved from GGUF metadata, read without transformers: its SentencePiece form where
-    one was written (`SpmTokenizer`, ~0.08 s for Gemma 3), else tokenizer.json through `tokenizers`
-    (`DirectTokenizer`, ~1.3 s). AutoTokenizer builds the family's class (Gemma's), which parses the 33 MB
-    tokenizer.json in Python and then deep-copies the result: on Gemma 3 270M 2.3x the time, plus ~1 s to
-    import transformers. The saved files hold the normaliser, pre-tokenizer, post-processor and added tokens,
-    so the result encodes alike (tests/tokenizer/test_tokenizer_api.py compares them)."""
+    one was written (`SpmTokenizer`, the fastest to read), else tokenizer.json through `tokenizers`
+    (`DirectTokenizer`). AutoTokenizer builds the family's class (Gemma's), which parses a large
+    tokenizer.json in Python and then deep-copies the result, taking several times as long, on top of
+    importing transformers. The saved files hold the normaliser, pre-tokenizer, post-processor and added
+    tokens, so the result encodes alike (tests/tokenizer/test_tokenizer_api.py compares them)."""
     try:
         specials = read_specials(directory)
         if specials is None:

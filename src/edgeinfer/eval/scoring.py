@@ -3,7 +3,8 @@
 Each window runs as one prefill through the engine's own model, attention backend and paged KV storage
 (with the candidate's `kv_cache_dtype`: a quantized cache is written and read back inside attention, so
 KV quantization shows in the numbers). Full next-token distributions are compared row chunk by row chunk,
-so the [tokens × vocabulary] log-probabilities (1 MiB a token for Gemma) never exist all at once.
+so the [tokens × vocabulary] log-probabilities (fp32: 1 MiB a token for Gemma's 262k entries) never exist
+all at once.
 """
 
 from __future__ import annotations

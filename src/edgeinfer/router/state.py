@@ -3,12 +3,12 @@
 Statuses come from a source (NATS or HTTP polling, sources.py); ages are measured on the router's
 monotonic clock from when a status *arrived*, so node clocks need not agree with the router's.
 
-Between two statuses (100 ms apart) a busy router forwards several requests, and every one of them would see
-the same snapshot and pick the same cheapest node. So the router counts what it has sent to each node since
-that node's last status and adds it to what the node said (into its free slots first, the rest as queued);
-the next status, which counts them itself, starts the count again. A request that ends before that status
-arrives is in no status at all, so it leaves the count when it ends: otherwise a few short requests in a
-row would make an idle node look full until its next status (a session's owner would lose its affinity to
+Between two statuses (a poll interval apart) a busy router forwards several requests, and every one of them
+would see the same snapshot and pick the same cheapest node. So the router counts what it has sent to each
+node since that node's last status and adds it to what the node said (into its free slots first, the rest as
+queued); the next status, which counts them itself, starts the count again. A request that ends before that
+status arrives is in no status at all, so it leaves the count when it ends: otherwise a few short requests in
+a row would make an idle node look full until its next status (a session's owner would lose its affinity to
 another node after a couple of short completions within one status interval).
 """
 

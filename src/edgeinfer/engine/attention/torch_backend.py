@@ -52,15 +52,15 @@ def _grouped_decode(
     """One query token per sequence: q [B, Hq, D], k/v [B, S, Hkv, D], additive bias [B, 1, 1, S].
 
     Plain batched matmuls with the query heads of each KV head grouped together (no K/V repeat). On CPU
-    this is ~20x faster than SDPA's flash kernel, which is built for long query blocks, not q_len = 1.
+    this is much faster than SDPA's flash kernel, which is built for long query blocks, not q_len = 1.
     """
     b, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.view(b, hkv, hq // hkv, d)
     if b == 1:
-        # K @ q^T: K as [B, Hkv, S, D] keeps the gathered cache's unit inner stride, where the compiled
-        # one-sequence graph copied K^T out first (18 copies a Gemma 3 270M step, 0.6 ms); eager, one
-        # sequence 118 -> 95 us a layer, but 8 sequences 308 -> 405 us, hence only here
+        # K @ q^T: K as [B, Hkv, S, D] keeps the gathered cache's unit inner stride, so a compiled
+        # one-sequence graph need not copy K^T out for every layer, and an eager sequence is faster too;
+        # with several sequences this form is slower, hence only here
         scores = torch.matmul(k.transpose(1, 2), qg.transpose(-1, -2)).transpose(-1, -2)
     else:
         scores = torch.matmul(qg, k.permute(0, 2, 3, 1))

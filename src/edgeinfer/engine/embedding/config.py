@@ -42,6 +42,6 @@ class EmbeddingConfig:
     @classmethod
     def from_engine_config(cls, config: EngineConfig, model: str) -> EmbeddingConfig:
         """The settings a node gives every local model that apply to an encoder."""
-        # fp16 is ~500x slower than bf16 on these CPUs; an encoder never needs it.
+        # fp16 matmuls are far slower than bf16 on CPUs; an encoder never needs it.
         dtype = "auto" if config.dtype == "float16" else config.dtype
         return cls(model=model, dtype=dtype, device=config.device, batch_window_ms=config.batch_window_ms)

@@ -2,10 +2,11 @@
 truncates.
 
 A BERT-style `tokenizer.json` (WordPiece with BertNormalizer, the usual sentence-transformers export) is read
-through `tokenizers` alone: importing transformers for `AutoTokenizer` holds the interpreter for ~1.5 s of a
-cached server start, on the event loop's thread. Transformers applies the config's casing and accent settings
-by rewriting the normalizer, so a file whose normalizer disagrees with its config, or any other kind of
-tokenizer, is loaded through transformers instead (tests/embeddings/test_encoder_tokenizer.py compares both).
+through `tokenizers` alone: importing transformers for `AutoTokenizer` holds the interpreter for a large share
+of a cached server start, on the event loop's thread. Transformers applies the config's casing and accent
+settings by rewriting the normalizer, so a file whose normalizer disagrees with its config, or any other kind
+of tokenizer, is loaded through transformers instead (tests/embeddings/test_encoder_tokenizer.py compares
+both).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Optional `torch.compile` of one-sequence decode steps (`EngineConfig.compile`).
 
-A CPU decode step of a small model at one sequence is mostly Python dispatch of small ops (Gemma 3 270M:
-~2,100 torch calls, ~11 ms of a ~28 ms step). A step that decodes exactly one sequence runs the whole
-model forward, paged attention included, as one inductor graph with a C++ wrapper, so it no longer goes
-through Python op by op; the quantized matmuls stay library calls. Every other step runs eagerly: a
-batched step spreads the per-op cost over its sequences, and its Python-level shape (the batch size, the
-prefill chunks) recompiles the graph, minutes each (measured: serving at 8 concurrent requests with
-batched decodes compiled, TPOT p50 went to 886 ms). The context length is dynamic, so the one graph lasts.
+A CPU decode step of a small model at one sequence is mostly Python dispatch of small ops (thousands of torch
+calls a step). A step that decodes exactly one sequence runs the whole model forward, paged attention
+included, as one inductor graph with a C++ wrapper, so it no longer goes through Python op by op; the
+quantized matmuls stay library calls. Every other step runs eagerly: a batched step spreads the per-op cost
+over its sequences, and its Python-level shape (the batch size, the prefill chunks) recompiles the graph,
+minutes each, which would stall serving while graphs compile. The context length is dynamic, so the one graph
+lasts.
 
-Measured on Gemma 3 270M int4, 1 thread: one sequence 28.0 -> 20.5 ms a step in-process; with our CPU
-kernels (`--cpu-gemv`) 14.1 ms, serving TPOT p50 13.7 ms; compiling takes ~2-3 minutes on first use.
+A compiled one-sequence step is markedly faster than an eager one (docs/engine.md), at the price of
+minutes of compiling on first use.
 Each start traces the step again (Dynamo); what it compiles comes from AOTAutograd's and inductor's caches
 on disk (`use_persistent_compile_cache`), which is why the graph holds no `torch.tensor` call: AOTAutograd
 refuses to cache such a graph (tests/engine/test_compile_models.py checks it is kept).
@@ -46,12 +46,12 @@ class DecodeCompiledForward:
         self.model = model
         # cpp_wrapper: the graph's own launcher is C++ too, which is where a small step's time goes.
         # guard_filter_fn: no guards on the model's modules and the code's globals, which nothing changes
-        # once loaded (the model's forward reads module state and writes none when compiling); the
-        # ~8,000 guards of a Gemma 3 270M graph took 1.2-1.4 ms a step. Guards on the step's inputs stay.
+        # once loaded (the model's forward reads module state and writes none when compiling); checking
+        # thousands of guards costs a noticeable share of a decode step. Guards on the step's inputs stay.
         # Without module guards, nothing tells two models of one class apart, and dynamo keeps its graphs
         # per code object: so each model compiles a forward with a code object of its own, as one graph
-        # (fullgraph: code resumed after a graph break would be shared again). Measured before: a second
-        # model of the class with another int8 rotation ran the first one's graph and decoded garbage.
+        # (fullgraph: code resumed after a graph break would be shared again). Otherwise a second model
+        # of the class with another int8 rotation would run the first one's graph and decode garbage.
         options = {"cpp_wrapper": True, "guard_filter_fn": _skip_model_and_global_guards}
         forward = _own_code(model)
         self.compiled: Any = torch.compile(forward, dynamic=True, fullgraph=True, options=options)

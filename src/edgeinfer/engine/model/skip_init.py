@@ -11,9 +11,9 @@ _INIT_OPS = frozenset({"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_
 
 class SkipInit(TorchFunctionMode):
     """`nn.init`'s random fills become no-ops inside this mode. For meta models (which the prepared-form
-    cache fills) `normal_` alone imports torch's compiler stack (1-3 s); for real tensors the fills are time
-    thrown away (MiniLM's 22 M parameters: 0.14 s of a start). Only for models whose loader checks that
-    every parameter was loaded."""
+    cache fills) `normal_` alone imports torch's compiler stack, a large share of a start; for real tensors
+    the fills are time thrown away, since loading overwrites every value. Only for models whose loader
+    checks that every parameter was loaded."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

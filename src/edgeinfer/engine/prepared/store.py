@@ -2,7 +2,7 @@
 
 An entry holds the runtime tensors of a loaded model (dequantized bf16, or quantized tensors in the
 kernels' layout) and, in its metadata, the snapshot spec (snapshot.py) and an xxh3-128 digest of every
-tensor's bytes. Loading checks the digest (~25 ms per GB from the page cache) before the tensors are
+tensor's bytes. Loading checks the digest (cheap next to the load itself) before the tensors are
 used: a truncated file fails to open, a flipped byte fails the digest, and either way the entry is
 deleted and the model is loaded afresh. Entries are written to a temporary file and renamed, so a
 concurrent reader sees a whole entry or none.

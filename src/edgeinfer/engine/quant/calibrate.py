@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 WINDOW = 512  # tokens per calibration prefill
 MAX_ROWS = 256  # input rows kept per layer for the scale search (the mean uses every row)
-# Calibration tokens for GPTQ's Hessians. On Gemma 3 270M int4 (16,384 eval tokens): 32k +4.80 % (KL 0.061),
-# 98k +4.51 % (KL 0.058), 196k +4.89 % (KL 0.056); 98k costs ~2.5 min more at load than 32k (2 threads).
+# Calibration tokens for GPTQ's Hessians: fewer leave int4 less accurate, more gain nothing and lengthen the
+# load (docs/quantization.md compares the sizes).
 GPTQ_TOKENS = 98304
 
 # One window of token ids through the float model being calibrated -> its final hidden states [T, H]. The

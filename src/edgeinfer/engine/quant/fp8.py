@@ -1,6 +1,6 @@
 """fp8 e4m3 weights with per-output-channel scales (W8A16), compressed-tensors `float-quantized`.
 
-CPUs here have no fp8 arithmetic (`torch._scaled_mm` runs, ~40x slower than bf16), so the weight is widened
+CPUs here have no fp8 arithmetic (`torch._scaled_mm` runs, far slower than bf16), so the weight is widened
 to bf16 with an exact bit trick and multiplied in bf16; the per-channel scale is applied to the output.
 Relative error per weight: at most 2**-4 (3 mantissa bits, round to nearest) in e4m3's normal range.
 """

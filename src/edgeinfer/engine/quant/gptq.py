@@ -11,7 +11,7 @@ follow the updated weight, and the fixed grid is exactly what the format stores.
 
 `H` is damped by `DAMP` times its mean diagonal: calibration covers tens of thousands of tokens, fewer
 than a 2048-input layer needs for a well-conditioned `H`; the damping keeps the updates from fitting the
-calibration text (0.01 fitted it and did worse on the eval text, measured in docs/quantization.md).
+calibration text (a smaller damping fits it and does worse on the eval text; docs/quantization.md).
 """
 
 from __future__ import annotations

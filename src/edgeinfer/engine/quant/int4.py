@@ -2,11 +2,11 @@
 
 Each group of `group_size` consecutive inputs of a row has a bf16 scale and a bf16 zero point:
 `w ~= (q - zp) * scale` with `q` in [0, 15] and `zp` a float in [0, 15] (compressed-tensors' `zp_dtype`
-bfloat16; llama.cpp's Q4_1 likewise keeps a float offset). An integer zero point wastes up to half a step
-on every group whose range does not fall on the grid; a float one lets a least-squares fit place the 16
-levels where the (importance-weighted) weights are: on Gemma 3 270M +11 % -> +7 % perplexity (GPTQ) and
-+15.5 % -> +7.5 % (to nearest), for 12 more bits per group. Checkpoints with integer zero points (4-bit,
-packed 8 rows to an int32) still load.
+bfloat16; llama.cpp's Q4_1 likewise keeps a float offset). An integer zero point wastes up to half a step on
+every group whose range does not fall on the grid; a float one lets a least-squares fit place the 16 levels
+where the (importance-weighted) weights are, which cuts the perplexity rise markedly, with GPTQ and rounding
+to nearest alike (docs/quantization.md), for 12 more bits per group. Checkpoints with integer zero points
+(4-bit, packed 8 rows to an int32) still load.
 
 `fit` searches each group's grid (llama.cpp's `make_qkx3_quants` idea): candidate step sizes around the
 group's range, each followed by a weighted least-squares refit of scale and offset given its codes, the
@@ -46,9 +46,8 @@ from edgeinfer.engine.quant.packing import (
 )
 
 GROUP_SIZES = (32, 64, 128)
-# Groups of 32, as Q4_0 / Q4_K blocks: on Gemma 3 270M perplexity +15.5 % against +27.7 % with groups of 128
-# (bench/compression.py, calibrated, int8 lm_head), for 18 MiB more scales and ~8 % of a 32-sequence decode
-# step (157 -> 170 ms: the fused kernel reads 4x the scales once per 4 rows).
+# Groups of 32, as Q4_0 / Q4_K blocks: far more accurate than groups of 128 (docs/quantization.md), for more
+# scales and a somewhat slower batched decode step (the fused kernel reads 4x the scales once per 4 rows).
 DEFAULT_GROUP_SIZE = 32
 _CPU_KERNEL_GROUPS = (32, 64, 128, 256)
 # Levels per group range tried by the grid search: 15 + r for r in -0.9 .. 0.9 (as llama.cpp's Q4_1 search).
@@ -160,10 +159,10 @@ class Int4Method(WeightMethod):
         return PreparedWeight("dequant", tensors, n, k)
 
     def gemv_form(self, weight: PreparedWeight) -> PreparedWeight | None:
-        """A 2-D weight in the CPU layout, re-laid for `int4_gemv` (W4A8). Measured at 1 thread, 4096 x 640
-        int4 (groups of 32) at 1 / 16 / 64 / 512 rows: 0.019 / 0.35 / 1.2 / 9.4 ms, against 0.079 / 1.1 /
-        5.8 / 17 ms for torch's kernel or, from 64 rows, a bf16 GEMM on the dequantized weight. Stacked
-        experts are re-laid one by one. Not for an unknown packing."""
+        """A 2-D weight in the CPU layout, re-laid for `int4_gemv` (W4A8): that kernel is faster than torch's
+        int4 kernel and, from 64 rows, than a bf16 GEMM on the dequantized weight, at every row count
+        measured (docs/quantization.md, our CPU kernels). Stacked experts are re-laid one by one. Not for
+        an unknown packing."""
         dims = weight.tensors["scale_kn"].dim() if weight.kernel == "cpu_int4pack" else 0
         if dims not in (3, 4) or not _unpackable(weight.out_features):
             return None
@@ -317,9 +316,9 @@ def _cpu_layout(u: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # --- large-M path ---------------------------------------------------------------------------------
-# The fused CPU kernel loops over the rows of x (cost linear in M), so for a prefill it is ~2.5x slower
-# than one bf16 GEMM. From this many rows on, dequantizing the packed weight (~0.5 ns a weight, once per
-# call) and running a bf16 GEMM wins; measured at 1 thread on AVX512 over Gemma 3 270M's layer shapes.
+# The fused CPU kernel loops over the rows of x (cost linear in M), so for a prefill it is slower than one
+# bf16 GEMM. From this many rows on, dequantizing the packed weight (cheap, once per call) and running a
+# bf16 GEMM wins on small models' layer shapes.
 _DEQUANT_MIN_TOKENS = 64
 
 

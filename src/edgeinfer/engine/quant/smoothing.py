@@ -208,8 +208,8 @@ def candidate_scales(
     sample: InputSample, alphas: tuple[float, ...] = ALPHAS
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(label, scale) pairs `mean|x|^a`, centred on 1; channels that are always 0 keep 1 (e.g. behind a
-    norm weight of 0). SmoothQuant's `max|x|^a / max|w|^(1-a)` was tried as a second family: it fitted the
-    calibration rows better and the eval text worse (KL 0.024 vs 0.016 on Gemma 3 270M, int8)."""
+    norm weight of 0). SmoothQuant's `max|x|^a / max|w|^(1-a)` is not a second family: it fits the
+    calibration rows better and the eval text worse (docs/quantization.md)."""
     live = sample.abs_mean > 0
     for alpha in alphas:
         base = sample.abs_mean.pow(alpha)
@@ -230,8 +230,8 @@ def search_scale(
     quantized layers on the calibration rows (`mean^0`, unscaled, is the first candidate)."""
     x = sample.rows
     # Rows quantize independently, so an even subset of a wide layer's output rows estimates its error;
-    # the 262k-row Gemma lm_head otherwise costs ~40 GFLOP per candidate. Only the subset is widened to
-    # fp32: a widened copy of a whole lm_head would be the largest allocation of a load.
+    # the 262k-row Gemma lm_head otherwise costs a vocabulary-wide matmul per candidate. Only the subset is
+    # widened to fp32: a widened copy of a whole lm_head would be the largest allocation of a load.
     weights = [w[:: max(1, w.shape[0] // SEARCH_ROWS)].float() for w in weights]
     refs = [x @ w.t() for w in weights]
     norm = sum(float(r.square().sum()) for r in refs) or 1.0
@@ -251,7 +251,7 @@ def search_scale(
 
 def _quantized_matmul(method: WeightMethod, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # int4 scores each scale on fitted grids, as it will be stored (most of int4's load time): ranking them
-    # on min/max grids instead gave int4 +8.7 % instead of +7.5 % (KL 0.072 vs 0.068)
+    # on min/max grids instead picks scales that serve the stored grids worse
     prepared = method.prepare(method.quantize(weight), x.device)
     return method.apply(prepared, x).float()
 

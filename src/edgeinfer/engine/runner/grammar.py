@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 
 class LazyGuidanceTokenizer:
-    """llguidance's view of the vocabulary, built by the first constrained request (~3.5 s for Gemma's 262k
-    entries, then kept for the engine's life).
+    """llguidance's view of the vocabulary, built by the first constrained request (seconds for a large
+    vocabulary such as Gemma's, then kept for the engine's life).
 
     Not at engine start: the build holds the interpreter for its whole duration (llguidance parses the
     tokenizer in Rust without releasing the GIL), so on a background thread it still delayed a cached
@@ -139,7 +139,7 @@ def apply_masks(logits: torch.Tensor, masks: StepMasks) -> None:
     The bitmask holds bit t % 32 of word t // 32 for token t; read as little-endian bytes that is bit
     t % 8 of byte t // 8, so unpacking the inverted bytes (`bitorder="little"`) gives one 0/1 byte per
     token, 1 where forbidden, which torch reads as bools without a copy. Each row is filled in place:
-    gathering the rows into a new tensor and scattering them back cost twice as much (16 x 262k).
+    gathering the rows into a new tensor and scattering them back would cost about twice as much.
     """
     if not masks.rows or masks.bits is None:
         return

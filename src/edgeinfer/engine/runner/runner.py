@@ -67,8 +67,7 @@ class ModelRunner:
             if isinstance(self.backend, TorchPagedBackend):
                 self.fused = fused_decode(model, storage)
         # A compiled one-sequence graph only where the fused step does not take the model: where it does, it
-        # is the faster of the two (Gemma 3 270M, 2 threads: int4 10.8-11.8 ms a step against 14.1-15.8
-        # compiled, bf16 17.5-22.1 against 23.8-24.9) and it takes batched decode steps too.
+        # is the faster of the two (in int4 and bf16 alike) and it takes batched decode steps too.
         self.compiled = DecodeCompiledForward(model) if compile and self.fused is None else None
         if compile and self.fused is not None:
             log.info("compile: the fused decode step takes all decode steps of this model, none compiled")
@@ -109,8 +108,8 @@ class ModelRunner:
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """fp32 `[rows, vocab]`, reused across steps (the sampler keeps nothing past a step). A fresh
-        32 x 262k block (33 MB, above glibc's largest mmap threshold) was mapped and page-faulted anew
-        every step: allocating and filling it took 15 ms on this CPU against 1.5 ms for reused memory."""
+        block of a batch's logits lies above glibc's largest mmap threshold, so it would be mapped and
+        page-faulted anew every step, which costs many times what filling reused memory does."""
         if self._logits is None or self._logits.shape[0] < rows:
             vocab = self.model.args.vocab_size
             self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)

@@ -2,8 +2,8 @@
 
 The scheduler turns a step-time target into its token budget with it, so one long prompt's prefill
 chunks stay short enough that a request arriving meanwhile waits at most about one target for the step
-in flight, on whatever hardware the engine runs: ~200 tokens a step for Gemma 3 270M on two CPU cores,
-the configured maximum on a GPU, where a step of that many tokens is fast. The fit is an exponentially
+in flight, on whatever hardware the engine runs: far below the maximum for a small model on a few CPU
+cores, the configured maximum on a GPU, where a step of that many tokens is fast. The fit is an exponentially
 weighted least-squares line over recent steps (the machine's speed drifts with its load); until steps of
 different sizes have been seen there is no slope to trust, and the budget stays at its maximum.
 """

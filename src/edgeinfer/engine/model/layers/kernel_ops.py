@@ -3,10 +3,9 @@
 The kernels remove the cost of calling a dozen torch ops, which is what a decode step's norms, rotations
 and activations mostly cost. Past a few thousand values the arithmetic dominates: there the kernels' AVX-512
 loops (parallel across rows) run at least as fast as torch's elementwise kernels, their plain loops (CPUs
-without AVX-512) do not: a 128-token prefill with those on for every size was ~30 % slower (Gemma 3 270M,
-2 threads). So with AVX-512 every input takes them (AMD EPYC Zen 4, 2 threads, 2026-12-04: a decode step
-of 32 sequences 68.2-69.2 -> 64.5-65.3 ms, a 256-token prefill step 214.7-222.8 -> 215.8-218.2 ms), else
-only inputs up to 16,384 values: a decode step of a few sequences (Gemma's q-norm at one sequence: 1,024).
+without AVX-512) do not, and slow a prefill down when they take every size. So with AVX-512 every input
+takes them (a batched decode step gains and a prefill step loses nothing), else only inputs up to 16,384
+values: a decode step of a few sequences (Gemma's q-norm at one sequence: 1,024).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = interleaved
         if torch.get_default_device().type == "meta":
             # a shell that the prepared-form cache fills: no values are needed, and computing them on the
-            # meta device would import torch's compiler stack (1-3 s of a cached load)
+            # meta device would import torch's compiler stack (a large share of a cached load)
             cos = sin = torch.empty(max_pos, rotary_dim // 2)
         else:
             inv_freq, scale = rope_inv_freq(rotary_dim, params, max_pos)

