@@ -19,6 +19,7 @@ from edgeinfer.engine.quant.layers import PreparedModule
 def _kernels() -> None:
     require_gemv_kernels()
 
+
 HIDDEN, INTERMEDIATE = 128, 64
 ROUTERS = {
     "softmax": RouterSpec(16, 4, "softmax", norm_topk_prob=True),

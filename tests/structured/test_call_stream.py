@@ -72,8 +72,11 @@ def test_calls_stream_as_openai_deltas(fmt: str, chunk: int) -> None:
     ]
     assert len({h["id"] for h in heads}) == 2
     # after its head, a call's items carry only pieces of its arguments
-    assert all(set(item) == {"index", "function"} and set(item["function"]) == {"arguments"}
-               for item in items if "id" not in item)
+    assert all(
+        set(item) == {"index", "function"} and set(item["function"]) == {"arguments"}
+        for item in items
+        if "id" not in item
+    )
 
 
 @pytest.mark.parametrize("fmt", ["json", "qwen3", "kimi_k2"])

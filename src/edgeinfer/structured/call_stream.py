@@ -101,4 +101,3 @@ def merge_call_deltas(items: list[dict[str, Any]], complete_only: bool = True) -
         call["function"]["arguments"] += function.get("arguments") or ""
     merged = [calls[i] for i in sorted(calls)]
     return [c for c in merged if not complete_only or is_json(c["function"]["arguments"])]
-

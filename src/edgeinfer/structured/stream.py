@@ -129,4 +129,3 @@ class AnswerParser:
         self._tools = None  # plain text: the answer is not a call
         out, self._buffer = self._buffer, ""
         return out
-
