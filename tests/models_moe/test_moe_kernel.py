@@ -8,16 +8,17 @@ import pytest
 import torch
 from helpers.kernels import require_gemv_kernels
 
+from edgeinfer.engine.kernels.bf16 import use_bf16_gemv
 from edgeinfer.engine.model.moe import MoeSpec, SparseMoeBlock
 from edgeinfer.engine.model.routing import RouterSpec
 from edgeinfer.engine.quant.experts import QuantizedExperts
-from edgeinfer.engine.quant.kernels.bf16 import use_bf16_gemv
 from edgeinfer.engine.quant.layers import PreparedModule
 
 
 @pytest.fixture(autouse=True)
 def _kernels() -> None:
     require_gemv_kernels()
+
 
 HIDDEN, INTERMEDIATE = 128, 64
 ROUTERS = {

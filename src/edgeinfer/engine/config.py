@@ -63,14 +63,14 @@ class EngineConfig:
     # than int8 on the 262k-row Gemma lm_head once several sequences decode), else the weights' method;
     # `none` keeps them in float; or any `quantization` value.
     lm_head_quantization: str = "auto"
-    # Layers on CPU multiplied by our kernels (quant/kernels, compiled at first use, ~20 s, variants
+    # Layers on CPU multiplied by our kernels (engine/kernels, compiled at first use, ~20 s, variants
     # picked by CPU feature at run time). int8 and int4 (AVX512-VNNI, else AVX2): int8 products of <= 16
     # rows bit for bit as `_int_mm`, on the same codes (Gemma 3 270M's lm_head at one row 17.5 -> 7.8 ms);
     # int4 with activations rounded to int8 per group (W4A8, as llama.cpp multiplies Q4/Q5 blocks by Q8 ones;
     # perplexity -0.07 % +- 0.30 % against W4A16): 4x torch's int4 kernel at one row, 1.8x at 512. bf16
     # linear layers, fp32 sums (kernels/bf16.py): products of <= 64 rows on AVX512-BF16 without AMX, else
     # <= 16 rows on AVX-512 (4 on AVX2, 2 with AMX). A model on these kernels also takes our ops for norms,
-    # rope, the gated activation and paged decode attention (kernels/decode.py). None
+    # rope, the gated activation and paged decode attention (model/decode_ops.py). None
     # (auto): on where the CPU has the features (AVX2 and FMA; VNNI / AVX512-BF16, where present, are
     # faster) and the kernels build (a C++ compiler), else torch's kernels; True insists (an error where they
     # cannot be used); False: torch's.
