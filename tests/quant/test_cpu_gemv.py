@@ -1,4 +1,4 @@
-"""Our CPU GEMV kernels (kernels, `--cpu-gemv`, default where the CPU has AVX2): int8 bit for
+"""Our CPU GEMV kernels (engine/kernels, `--cpu-gemv`, default where the CPU has AVX2): int8 bit for
 bit as `_int_mm`, int4 as W4A8."""
 
 from __future__ import annotations

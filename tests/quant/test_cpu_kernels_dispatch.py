@@ -117,6 +117,13 @@ def test_the_env_var_caps_the_level_in_a_fresh_process(ops):
     assert out.stdout.strip() == "scalar"
 
 
+def test_an_op_loads_the_kernels_where_nothing_has(ops):
+    code = "from edgeinfer.engine.kernels import ops; print(ops.isa())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in kernels.ISA_LEVELS
+
+
 def test_an_unknown_level_is_refused_before_building(monkeypatch):
     monkeypatch.setenv(kernels.ISA_ENV, "avx9000")
     kernels.load.cache_clear()

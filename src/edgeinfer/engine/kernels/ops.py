@@ -13,7 +13,7 @@ from edgeinfer.engine import kernels
 
 
 def _ensure_loaded() -> None:
-    """`kernels.load()` unless it has run: the flag is cheaper than its cache, and traceable."""
+    """`kernels.load()` unless it has run: its flag costs what its cache would, and compiles away."""
     if not kernels.loaded:
         kernels.load()
 
