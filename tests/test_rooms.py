@@ -1,7 +1,9 @@
 """The rooms' import rules (docs/engine.md, the map of rooms): what both servers speak lives in `api`, which
 imports neither server; the router reaches nodes over HTTP and NATS only, never through their code; the
 node never imports the router; the fleet simulator runs the router's own policy and network model;
-weight quantization imports neither the eval harness nor attention."""
+weight quantization imports neither the eval harness nor attention; our CPU kernels are a leaf room (torch,
+the standard library and the cache dir's location): model, quantization and attention call them, never
+the reverse."""
 
 from __future__ import annotations
 
@@ -29,6 +31,16 @@ FORBIDDEN = {
     "fleet": ("edgeinfer.node", "edgeinfer.engine", "edgeinfer.pool", "torch"),
     # quantization alone: a calibration pass gets its forward from the caller, the corpus is its own room
     "engine/quant": ("edgeinfer.eval", "edgeinfer.engine.attention"),
+    # the kernels are a leaf: the rooms that use them switch their own layers onto them
+    "engine/kernels": (
+        "edgeinfer.engine.model",
+        "edgeinfer.engine.quant",
+        "edgeinfer.engine.attention",
+        "edgeinfer.engine.scheduler",
+        "edgeinfer.node",
+        "edgeinfer.router",
+        "edgeinfer.api",
+    ),
 }
 # api's own dependencies: ours it may import at all (third-party HTTP and schema libraries aside)
 API_MAY_IMPORT = ("edgeinfer.api", "edgeinfer.types", "edgeinfer.structured")

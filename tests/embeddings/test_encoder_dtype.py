@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from edgeinfer.engine import kernels
 from edgeinfer.engine.embedding.embedder import encoder_dtype
-from edgeinfer.engine.quant import kernels
 
 CPU = torch.device("cpu")
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from helpers.embeddings import varied_texts
 
+from edgeinfer.engine import kernels
 from edgeinfer.engine.embedding.config import EmbeddingConfig
 from edgeinfer.engine.embedding.embedder import Embedder, split_by_tokens
 from edgeinfer.engine.model import bert
-from edgeinfer.engine.quant import kernels
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from edgeinfer.engine import kernels
 from edgeinfer.engine.attention.backend import get_attention_backend
 from edgeinfer.engine.attention.metadata import AttentionMetadata
 from edgeinfer.engine.attention.storage import KVCacheStorage
@@ -20,7 +21,6 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.loading import load_model
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.prepared import store
-from edgeinfer.engine.quant import kernels
 from edgeinfer.engine.quant.layers import PreparedModule
 
 CPU = torch.device("cpu")

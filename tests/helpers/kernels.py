@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgeinfer.engine.quant import kernels
+from edgeinfer.engine import kernels
 
 
 def require_gemv_kernels() -> None:

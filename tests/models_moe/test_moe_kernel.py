@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers.kernels import require_gemv_kernels
 
+from edgeinfer.engine.kernels.bf16 import use_bf16_gemv
 from edgeinfer.engine.model.moe import MoeSpec, SparseMoeBlock
 from edgeinfer.engine.model.routing import RouterSpec
 from edgeinfer.engine.quant.experts import QuantizedExperts
-from edgeinfer.engine.quant.kernels.bf16 import use_bf16_gemv
 from edgeinfer.engine.quant.layers import PreparedModule
 
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 from helpers.kernels import require_gemv_kernels
 
+from edgeinfer.engine import kernels
 from edgeinfer.engine.attention.oneshot import prefill_hidden
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.loading import load_model, parse_quantization
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.model.moe import FusedExperts
 from edgeinfer.engine.model.registry import build_model
-from edgeinfer.engine.quant import QuantizedExperts, kernels
+from edgeinfer.engine.quant import QuantizedExperts
 from edgeinfer.engine.quant.calibrate import default_calibration_text
 
 # mean KL bound in nats over 24 positions of a random tiny model (measured well below: int8 ~1e-4, int4 ~1e-2)

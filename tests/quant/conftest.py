@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from edgeinfer.engine.quant import kernels
+from edgeinfer.engine import kernels
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Our CPU GEMV kernels (quant/kernels, `--cpu-gemv`, default where the CPU has AVX2): int8 bit for
+"""Our CPU GEMV kernels (engine/kernels, `--cpu-gemv`, default where the CPU has AVX2): int8 bit for
 bit as `_int_mm`, int4 as W4A8."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import pytest
 import torch
 from helpers.kernels import require_gemv_kernels
 
+from edgeinfer.engine import kernels
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
 from edgeinfer.engine.loading import parse_quantization
-from edgeinfer.engine.quant import QuantLinear, kernels
+from edgeinfer.engine.quant import QuantLinear
 from edgeinfer.engine.quant.experts import quantize_expert_weights
 from edgeinfer.engine.quant.int4 import Int4Method, _int4pack_codes
 from edgeinfer.types import SamplingParams

@@ -1,4 +1,4 @@
-"""Our CPU kernels' run-time dispatch (quant/kernels/isa.h): every variant this CPU can run matches its
+"""Our CPU kernels' run-time dispatch (kernels/isa.h): every variant this CPU can run matches its
 reference, the fallbacks are reached by capping the level, and the bf16 kernel serves float models."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from edgeinfer.engine import kernels
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
+from edgeinfer.engine.kernels import bf16
+from edgeinfer.engine.kernels.bf16 import GemvLinear, _gemv_rows
 from edgeinfer.engine.loading import parse_quantization, uses_cpu_gemv
-from edgeinfer.engine.quant import QuantLinear, kernels
-from edgeinfer.engine.quant.kernels import bf16
-from edgeinfer.engine.quant.kernels.bf16 import GemvLinear, _gemv_rows
+from edgeinfer.engine.quant import QuantLinear
 from edgeinfer.types import SamplingParams
 
 
@@ -107,13 +108,20 @@ def test_int_kernels_fallback_equals_the_fast_variant(ops, capped, method, out, 
 
 def test_the_env_var_caps_the_level_in_a_fresh_process(ops):
     code = (
-        "import torch; from edgeinfer.engine.quant import kernels; kernels.load(); "
+        "import torch; from edgeinfer.engine import kernels; kernels.load(); "
         "print(torch.ops.edgeinfer_cpu.isa())"
     )
     env = {**os.environ, kernels.ISA_ENV: "scalar"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "scalar"
+
+
+def test_an_op_loads_the_kernels_where_nothing_has(ops):
+    code = "from edgeinfer.engine.kernels import ops; print(ops.isa())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in kernels.ISA_LEVELS
 
 
 def test_an_unknown_level_is_refused_before_building(monkeypatch):

@@ -1,4 +1,4 @@
-"""Our one-call decode ops (quant/kernels/decode_ops.cpp) against the torch ops they replace, at every
+"""Our one-call decode ops (kernels/decode_ops.cpp) against the torch ops they replace, at every
 instruction-set level this CPU runs, and switched on for models that run on our kernels."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from edgeinfer.engine import kernels
 from edgeinfer.engine.attention.metadata import AttentionMetadata
 from edgeinfer.engine.attention.storage import KVCacheStorage, KVSpec
 from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
@@ -16,7 +17,6 @@ from edgeinfer.engine.model.layers import kernel_ops
 from edgeinfer.engine.model.layers.kernel_ops import EVERY_INPUT, _max_elements, takes_kernel
 from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
-from edgeinfer.engine.quant import kernels
 from edgeinfer.types import SamplingParams
 
 

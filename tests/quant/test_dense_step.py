@@ -1,4 +1,4 @@
-"""The fused decode step (quant/kernels/dense_step.cpp, model/fused_decode.py) against the eager path it
+"""The fused decode step (kernels/dense_step.cpp, model/fused_decode.py) against the eager path it
 replaces: the same kernels and ATen ops in the same order, so the same logits bit for bit."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 from helpers.fused_step import assert_fused_step_decodes_as_eager, bf16_engine, greedy_answers
 
+from edgeinfer.engine import kernels
+from edgeinfer.engine.kernels import bf16
 from edgeinfer.engine.model import fused_decode
 from edgeinfer.engine.model.layers import kernel_ops
-from edgeinfer.engine.quant import kernels
-from edgeinfer.engine.quant.kernels import bf16
 
 # the second spans two KV blocks of 16; together they make decode steps of 4 sequences
 PROMPTS = [[3, 14, 15, 92, 65], list(range(4, 26)), [7] * 9, list(range(100, 140))]

@@ -1,4 +1,4 @@
-"""The packed encoder attention kernel (quant/kernels/encoder_attention.cpp) against SDPA run per
+"""The packed encoder attention kernel (kernels/encoder_attention.cpp) against SDPA run per
 sequence, at each instruction-set level this CPU runs, and its refusals of malformed inputs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edgeinfer.engine.quant import kernels
+from edgeinfer.engine import kernels
 
 
 def _reference(qkv: torch.Tensor, lengths: list[int]) -> torch.Tensor:

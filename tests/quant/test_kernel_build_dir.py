@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeinfer.engine.quant import kernels
+from edgeinfer.engine import kernels
 
 
 def _copy_sources(target: Path) -> list[Path]:
@@ -68,7 +68,7 @@ def test_a_finished_build_that_does_not_load_is_linked_again(
     shutil.copytree(original, copy)
     assert (copy / kernels._FINISHED).exists()
     (copy / f"{kernels._NAME}.so").write_bytes(b"not a shared library")
-    script = "import torch\nfrom edgeinfer.engine.quant import kernels\n"
+    script = "import torch\nfrom edgeinfer.engine import kernels\n"
     script += "kernels.load()\nprint(torch.ops.edgeinfer_cpu.isa())"
     done = subprocess.run(
         [sys.executable, "-c", script],

@@ -63,7 +63,7 @@ class EngineConfig:
     # int8's on a vocabulary-wide lm_head once several sequences decode), else the weights' method;
     # `none` keeps them in float; or any `quantization` value.
     lm_head_quantization: str = "auto"
-    # Layers on CPU multiplied by our kernels (quant/kernels, compiled once at first use, variants
+    # Layers on CPU multiplied by our kernels (engine/kernels, compiled once at first use, variants
     # picked by CPU feature at run time). int8 and int4 (AVX512-VNNI, else AVX2): int8 products of <= 16
     # rows bit for bit as `_int_mm`, on the same codes, and faster at those row counts; int4 with
     # activations rounded to int8 per group (W4A8, as llama.cpp multiplies Q4/Q5 blocks by Q8 ones; no
@@ -71,7 +71,7 @@ class EngineConfig:
     # (docs/quantization.md, our CPU kernels). bf16
     # linear layers, fp32 sums (kernels/bf16.py): products of <= 64 rows on AVX512-BF16 without AMX, else
     # <= 16 rows on AVX-512 (4 on AVX2, 2 with AMX). A model on these kernels also takes our ops for norms,
-    # rope, the gated activation and paged decode attention (kernels/decode.py). None
+    # rope, the gated activation and paged decode attention (model/decode_ops.py). None
     # (auto): on where the CPU has the features (AVX2 and FMA; VNNI / AVX512-BF16, where present, are
     # faster) and the kernels build (a C++ compiler), else torch's kernels; True insists (an error where they
     # cannot be used); False: torch's.
@@ -85,7 +85,7 @@ class EngineConfig:
     # quantize once with `edgeinfer quantize --gptq`.
     gptq_calibration: str | None = None
     # torch.compile one-sequence decode steps, the whole forward as one graph (model/compile.py), for
-    # models the fused C++ decode step does not take (MoE, MLA, int8/fp8 weights, a quantized KV cache,
+    # models the fused C++ decode step does not take (int8/fp8 weights, a quantized KV cache,
     # torch's kernels): where it takes the model it is faster than the graph, so nothing is compiled.
     # Needs a C++ compiler; compiles for minutes on first use; falls back to eager with a warning.
     # Inductor's fp32 intermediates can change greedy tokens, so it is off by default.

@@ -14,22 +14,23 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from edgeinfer.engine import kernels
 from edgeinfer.engine.attention.oneshot import prefill_hidden
 from edgeinfer.engine.attention.storage import kv_bytes_per_token
 from edgeinfer.engine.cache_dir import cache_root
 from edgeinfer.engine.config import EngineConfig
+from edgeinfer.engine.kernels import ops
+from edgeinfer.engine.kernels.bf16 import GemvLinear, use_bf16_gemv
 from edgeinfer.engine.model.loader import Checkpoint
 from edgeinfer.engine.model.loader.base import cast_floating
 from edgeinfer.engine.model.moe_lm import MoeCausalLM
 from edgeinfer.engine.model.registry import build_model
 from edgeinfer.engine.model.skip_init import SkipInit
 from edgeinfer.engine.prepared import PreparedCache, entry_key, source_digest
-from edgeinfer.engine.quant import kernels
 from edgeinfer.engine.quant.apply import quantize_model
 from edgeinfer.engine.quant.base import WeightMethod, get_weight_method
 from edgeinfer.engine.quant.calibrate import calibration_ids
 from edgeinfer.engine.quant.checkpoint import QuantizationConfig, apply_quantized_checkpoint
-from edgeinfer.engine.quant.kernels.bf16 import GemvLinear, use_bf16_gemv
 from edgeinfer.engine.quant.kv import get_kv_quantizer
 from edgeinfer.engine.quant.layers import PreparedModule
 from edgeinfer.engine.quant.smoothing import SmoothReport, scale_for_quantization
@@ -217,8 +218,8 @@ def _use_cpu_gemv(model: nn.Module, required: bool) -> None:
     switched = sum(m.use_cpu_gemv() for m in layers) + (use_bf16_gemv(model) if float_layers else 0)
     if not switched and required:
         raise ValueError("cpu_gemv: no layer of this model has a form the CPU GEMV kernels read")
-    log.info("CPU GEMV kernels (%s): %d layers and expert stacks", torch.ops.edgeinfer_cpu.isa(), switched)
-    if torch.ops.edgeinfer_cpu.isa() == "scalar":
+    log.info("CPU GEMV kernels (%s): %d layers and expert stacks", ops.isa(), switched)
+    if ops.isa() == "scalar":
         log.warning("cpu_gemv: no AVX2; the kernels run as plain loops, slower than torch's")
 
 

@@ -19,7 +19,7 @@ class AttentionBackend(ABC):
     """
 
     # Set by the runner for a model whose layers run on our CPU kernels: a backend with a path through our
-    # one-call decode ops (quant/kernels/decode_ops.cpp) takes it; others ignore it.
+    # one-call decode ops (kernels/decode_ops.cpp) takes it; others ignore it.
     decode_ops = False
 
     def __init__(self, storage: KVCacheStorage) -> None:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from edgeinfer.engine.attention.backend import AttentionBackend
 from edgeinfer.engine.attention.metadata import AttentionMetadata
 from edgeinfer.engine.attention.registry import MLA_MODES, load_class
+from edgeinfer.engine.kernels import ops
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ def _kernel_decode(
         meta.cache["decode_ctx"] = meta.decode_context_lens(q_nope.device)
     tables, ctx = meta.block_tables[: meta.num_decodes], meta.cache["decode_ctx"]
     pool = backend.storage.k[layer].data
-    return torch.ops.edgeinfer_cpu.mla_decode(q_nope, q_pe, pool, kv_b, tables, ctx, scale)
+    return ops.mla_decode(q_nope, q_pe, pool, kv_b, tables, ctx, scale)
 
 
 def _decode_context(

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from edgeinfer.engine.attention.backend import AttentionBackend
 from edgeinfer.engine.attention.metadata import AttentionMetadata
+from edgeinfer.engine.kernels import ops
 
 
 def _mask(q_pos: torch.Tensor, ctx_len: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
@@ -114,7 +115,7 @@ class TorchPagedBackend(AttentionBackend):
             meta.cache["slot"] = int(meta.slot_mapping[0])
         k_pool, v_pool = self.storage.k[layer].data, self.storage.v[layer].data
         ctx = meta.context_lens[0]
-        return torch.ops.edgeinfer_cpu.paged_decode_one(
+        return ops.paged_decode_one(
             q, k, v, k_pool, v_pool, meta.cache["slot"], meta.block_tables[0], ctx, scale, window or 0
         )
 
@@ -125,9 +126,7 @@ class TorchPagedBackend(AttentionBackend):
                 meta.cache["decode_ctx"] = meta.decode_context_lens(q.device)
             k_pool, v_pool = self.storage.k[layer].data, self.storage.v[layer].data
             tables = meta.block_tables[:nd]
-            return torch.ops.edgeinfer_cpu.paged_decode(
-                q, k_pool, v_pool, tables, meta.cache["decode_ctx"], scale, window or 0
-            )
+            return ops.paged_decode(q, k_pool, v_pool, tables, meta.cache["decode_ctx"], scale, window or 0)
         key = ("decode", window)
         if key not in meta.cache:
             ctx = meta.decode_context_lens(q.device)

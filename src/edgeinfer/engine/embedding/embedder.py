@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from edgeinfer.engine import kernels
 from edgeinfer.engine.embedding.config import EmbeddingConfig
 from edgeinfer.engine.embedding.encoder_tokenizer import load_encoder_tokenizer
 from edgeinfer.engine.embedding.sentence_config import SentenceConfig, read_sentence_config
@@ -17,7 +18,6 @@ from edgeinfer.engine.model.loader import CheckpointError, open_checkpoint
 from edgeinfer.engine.model.loader.safetensors_checkpoint import SafetensorsCheckpoint
 from edgeinfer.engine.model.pooling import pool
 from edgeinfer.engine.model.skip_init import SkipInit
-from edgeinfer.engine.quant import kernels
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A batch is one `[T, hidden]` tensor of every sequence's tokens back to back, sequences sorted by length
 so that sequences of equal length sit next to each other. The linear layers see only real tokens;
-attention runs in one call of our CPU kernel over the whole pass (`packed`, quant/kernels/
+attention runs in one call of our CPU kernel over the whole pass (`packed`, kernels/
 encoder_attention.cpp), per group of equal-length sequences (`grouped`, one SDPA call per distinct
 length), or over chunks of the batch with a block-diagonal mask (`masked`, kept to compare: its cost
 grows with the square of the chunk, so chunks hold at most MASK_CHUNK_TOKENS tokens). `auto` is packed
@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgeinfer.engine import kernels
+from edgeinfer.engine.kernels import ops
 from edgeinfer.engine.model.hf_config import ConfigError
-from edgeinfer.engine.quant import kernels
 
 ATTENTION_MODES = ("auto", "packed", "grouped", "masked")
 # Head dims the packed kernel's AVX-512 variant takes (encoder_attention.cpp pick_avx512); others run as
@@ -163,7 +164,7 @@ class BertLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: PackedBatch, masks: list[MaskedChunk] | None) -> torch.Tensor:
         qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
         if self.attention == "packed":
-            attn = torch.ops.edgeinfer_cpu.packed_attention(qkv, batch.cu_seqlens, self.head_dim**-0.5)
+            attn = ops.packed_attention(qkv, batch.cu_seqlens, self.head_dim**-0.5)
         else:
             q, k, v = qkv.unbind(1)
             attn = (
@@ -236,7 +237,7 @@ def choose_attention(mode: str, device: torch.device, head_dim: int) -> str:
         if not loaded:
             raise ValueError("attention 'packed' needs our CPU kernels on the CPU (see the log for why not)")
         return mode
-    vectorised = loaded and head_dim in PACKED_HEAD_DIMS and torch.ops.edgeinfer_cpu.isa() in _VECTOR_ISAS
+    vectorised = loaded and head_dim in PACKED_HEAD_DIMS and ops.isa() in _VECTOR_ISAS
     return "packed" if vectorised else "grouped"
 
 

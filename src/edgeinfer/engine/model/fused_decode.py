@@ -1,6 +1,6 @@
-"""A decode step of a dense or MoE model through our one-call C++ step (quant/kernels/dense_step.cpp).
+"""A decode step of a dense or MoE model through our one-call C++ step (kernels/dense_step.cpp).
 
-With the decode ops on (kernels.decode), a decode step already runs each small norm, rotation, product
+With the decode ops on (model/decode_ops.py), a decode step already runs each small norm, rotation, product
 and attention as one kernel call; what is left is calling many of them a layer from Python, through the
 modules. Here the embedding, the rope tables and the final norm stay in Python and every layer runs
 inside one C++ call, which releases the GIL for the whole of it (step times: docs/benchmarks.md). Steps
@@ -24,6 +24,8 @@ from torch import nn
 from edgeinfer.engine.attention.metadata import AttentionMetadata
 from edgeinfer.engine.attention.mla import AbsorbLatentAttention
 from edgeinfer.engine.attention.storage import KVCacheStorage
+from edgeinfer.engine.kernels import ops
+from edgeinfer.engine.kernels.bf16 import GEMV_ROWS
 from edgeinfer.engine.model.dense import DecoderLayer, DenseCausalLM
 from edgeinfer.engine.model.kernel_forms import Form, linear_form, prefixed
 from edgeinfer.engine.model.layers.attention import SelfAttention
@@ -34,7 +36,6 @@ from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
 from edgeinfer.engine.model.mla import MultiLatentAttention
 from edgeinfer.engine.model.moe import SparseMoeBlock
 from edgeinfer.engine.model.moe_lm import MoeCausalLM, MoeDecoderLayer
-from edgeinfer.engine.quant.kernels.bf16 import GEMV_ROWS
 
 
 class FusedDecode:
@@ -73,7 +74,7 @@ def fused_decode(model: nn.Module, storage: KVCacheStorage) -> FusedDecode | Non
             return None
         layers.append(described)
     # where the eager path hands products to torch's GEMM and small ops to torch's kernels
-    step = torch.classes.edgeinfer_cpu.DenseDecodeStep(GEMV_ROWS, MAX_ELEMENTS)
+    step = ops.dense_decode_step(GEMV_ROWS, MAX_ELEMENTS)
     for layer, (tensors, numbers) in zip(model.model.layers, layers, strict=True):
         if isinstance(layer.mlp, SparseMoeBlock):
             step.add_moe_layer(tensors, numbers, layer.mlp.kernel_block)

@@ -1,4 +1,4 @@
-"""Layers as our one-call C++ steps take them (quant/kernels: dense_step.cpp, moe_block.cpp): the tensors
+"""Layers as our one-call C++ steps take them (kernels: dense_step.cpp, moe_block.cpp): the tensors
 and numbers of each weight form the kernels read, or None where a layer has a form they do not."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from edgeinfer.engine.kernels.bf16 import GemvLinear
 from edgeinfer.engine.quant.experts import QuantizedExperts
-from edgeinfer.engine.quant.kernels.bf16 import GemvLinear
 from edgeinfer.engine.quant.layers import QuantLinear
 
 Form = tuple[dict[str, torch.Tensor], dict[str, float]]

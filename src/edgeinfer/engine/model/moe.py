@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgeinfer.engine.kernels import ops
+from edgeinfer.engine.kernels.bf16 import GEMV_ROWS
 from edgeinfer.engine.model.kernel_forms import Form, experts_form, linear_form, prefixed
 from edgeinfer.engine.model.layers.activation import get_activation
 from edgeinfer.engine.model.layers.kernel_ops import MAX_ELEMENTS
@@ -21,7 +23,6 @@ from edgeinfer.engine.model.layers.mlp import ACT_CODES, GatedMLP
 from edgeinfer.engine.model.routing import RouterSpec, TopKRouter
 from edgeinfer.engine.quant.base import WeightMethod
 from edgeinfer.engine.quant.experts import QuantizedExperts, quantize_expert_weights
-from edgeinfer.engine.quant.kernels.bf16 import GEMV_ROWS
 
 # The routed experts' parameters, each a stack `[num_experts, out, in]`.
 EXPERT_STACKS = ("gate_up_proj", "down_proj")
@@ -117,7 +118,7 @@ class FusedExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ shared experts). HF names: `gate`, `experts`, `shared_experts`.
 
-    With `use_kernel` the whole block runs as one call of our C++ block (quant/kernels/moe_block.cpp) for
+    With `use_kernel` the whole block runs as one call of our C++ block (kernels/moe_block.cpp) for
     bf16 inputs: it routes, runs each chosen expert once over all its tokens and combines, rounding where
     the torch form below rounds (tests/models_moe/test_moe_kernel.py compares them)."""
 
@@ -129,7 +130,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_experts = (
             GatedMLP(spec.hidden, spec.shared_intermediate, spec.act) if spec.shared_intermediate else None
         )
-        self.kernel_block: Any = None  # torch.classes.edgeinfer_cpu.MoeBlock, once switched on
+        self.kernel_block: Any = None  # our MoeBlock (kernels.ops.moe_block), once switched on
 
     def use_kernel(self) -> bool:
         """Run through our MoE block where every weight has a form it reads (bf16, or int4 in the kernel's
@@ -138,7 +139,7 @@ class SparseMoeBlock(nn.Module):
         form = self.kernel_form()
         if form is None:
             return False
-        self.kernel_block = torch.classes.edgeinfer_cpu.MoeBlock(*form)
+        self.kernel_block = ops.moe_block(*form)
         return True
 
     def kernel_form(self) -> Form | None:

@@ -27,7 +27,7 @@ from edgeinfer.engine.checkpoint_files import read_weight_files
 LAYOUT_VERSION = 1
 
 # Sources whose code decides the runtime tensors; an edit to any of them misses every entry.
-_CODE_DIRS = ("engine/model", "engine/quant")
+_CODE_DIRS = ("engine/model", "engine/quant", "engine/kernels")
 _CODE_SUFFIXES = (".py", ".cpp")
 _READ_BYTES = 8 << 20
 
@@ -67,7 +67,7 @@ def _stat(f: Path) -> list[int]:
 
 @cache
 def code_fingerprint() -> str:
-    """sha256 of the engine's model and quantization sources (a few ms)."""
+    """sha256 of the engine's model, quantization and kernel sources."""
     package = Path(edgeinfer.__file__).parent
     digest = hashlib.sha256()
     for sub in _CODE_DIRS:

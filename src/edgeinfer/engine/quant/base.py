@@ -92,7 +92,7 @@ class WeightMethod(ABC):
         return out.copy_(self.apply(weight, x))
 
     def gemv_form(self, weight: PreparedWeight) -> PreparedWeight | None:
-        """The weight in the form our CPU GEMV kernels read (quant/kernels), or None where there is none.
+        """The weight in the form our CPU GEMV kernels read (engine/kernels), or None where there is none.
         Called after `kernels.load()`."""
         return None
 

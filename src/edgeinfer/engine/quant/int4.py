@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from edgeinfer.engine.quant import kernels
+from edgeinfer.engine import kernels
+from edgeinfer.engine.kernels import ops
 from edgeinfer.engine.quant.base import (
     PreparedWeight,
     QuantizationError,
@@ -199,9 +200,7 @@ class Int4Method(WeightMethod):
 
     def _apply_w4a8(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         xin = x if x.dtype in (torch.bfloat16, torch.float32) else x.to(torch.bfloat16)
-        y = torch.ops.edgeinfer_cpu.int4_gemv(
-            xin.contiguous(), t["codes"], t["scales"], t["zero_terms"], self.group_size
-        )
+        y = ops.int4_gemv(xin.contiguous(), t["codes"], t["scales"], t["zero_terms"], self.group_size)
         return y.to(x.dtype)
 
     def embedding_rows(

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from edgeinfer.engine.kernels import GEMV_KN_ROWS, GEMV_ROWS, ops
 from edgeinfer.engine.quant.base import PreparedWeight, QuantizationError, ct_args, register_weight_method
 from edgeinfer.engine.quant.channelwise import ChannelwiseMethod
-from edgeinfer.engine.quant.kernels import GEMV_KN_ROWS, GEMV_ROWS
 
 QMAX = 127  # symmetric range [-127, 127]: -128 would make the grid lopsided
 _EPILOGUE_ELEMS = 1 << 20  # outputs per column block (4 MB of fp32) ...
@@ -137,7 +137,7 @@ class Int8Method(ChannelwiseMethod):
         xq, x_scale = quantize_rows_int8(xr)
         n = weight.out_features
         if self.kernel_for(weight, x.shape[0]) == "cpu_gemv":
-            ops, xs = torch.ops.edgeinfer_cpu, x_scale.reshape(-1)
+            xs = x_scale.reshape(-1)
             if "weight_t" in t:
                 y = ops.int8_gemv_kn(xq, xs, t["weight_t"], w_scale)
                 return (y if y.dtype == x.dtype else y.to(x.dtype)) if out is None else out.copy_(y)

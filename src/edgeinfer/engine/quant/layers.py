@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from edgeinfer.engine.kernels.bf16 import GemvLinear
 from edgeinfer.engine.quant.base import (
     PreparedWeight,
     QuantizationError,
@@ -12,7 +13,6 @@ from edgeinfer.engine.quant.base import (
     flatten_tokens,
     get_weight_method,
 )
-from edgeinfer.engine.quant.kernels.bf16 import GemvLinear
 
 
 class PreparedModule(nn.Module):

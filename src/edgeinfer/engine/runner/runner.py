@@ -12,8 +12,8 @@ from edgeinfer.engine.attention.backend import get_attention_backend
 from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
 from edgeinfer.engine.model.compile import DecodeCompiledForward
+from edgeinfer.engine.model.decode_ops import use_decode_ops
 from edgeinfer.engine.model.fused_decode import FusedDecode, fused_decode
-from edgeinfer.engine.quant.kernels.decode import use_decode_ops
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.inputs import StepInputs, build_inputs
 from edgeinfer.engine.runner.sampler import Sampler, top_logprobs

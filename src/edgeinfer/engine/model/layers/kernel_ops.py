@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from edgeinfer.engine.quant.kernels import AVX512_FLAGS, cpu_flags
+from edgeinfer.engine.kernels import AVX512_FLAGS, cpu_flags
 
 EVERY_INPUT = 2**62  # no limit
 
@@ -27,7 +27,7 @@ MAX_ELEMENTS = _max_elements(cpu_flags())
 
 
 def takes_kernel(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether `module` (switched on by `kernels.decode.use_decode_ops`) runs `x` through our kernel; a
+    """Whether `module` (switched on by `model.decode_ops.use_decode_ops`) runs `x` through our kernel; a
     compiled graph keeps the torch ops, which inductor fuses itself."""
     return (
         getattr(module, "kernel", False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from edgeinfer.engine.kernels import ops
 from edgeinfer.engine.model.layers.activation import get_activation
 from edgeinfer.engine.model.layers.kernel_ops import takes_kernel
 
@@ -21,12 +22,12 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = get_activation(act)
-        self.act_code = ACT_CODES.get(act)  # for our `gated_act` (kernels.decode.use_decode_ops)
+        self.act_code = ACT_CODES.get(act)  # for our `gated_act` (model.decode_ops.use_decode_ops)
         self.kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.act_code is not None and gate_up.dim() == 2 and takes_kernel(self, gate_up):
-            return self.down_proj(torch.ops.edgeinfer_cpu.gated_act(gate_up, self.act_code))
+            return self.down_proj(ops.gated_act(gate_up, self.act_code))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgeinfer.engine.kernels import ops
 from edgeinfer.engine.model.layers.kernel_ops import takes_kernel
 
 
@@ -14,7 +15,7 @@ class RMSNorm(nn.Module):
 
     `unit_offset=True` is Gemma's convention: the stored weight is a delta and the scale is `1 + w`,
     applied before casting back (Llama casts first, then multiplies; the difference shows in bf16).
-    `kernel` (set by `kernels.decode.use_decode_ops`): small bf16 inputs take our one-call `rms_norm`,
+    `kernel` (set by `model.decode_ops.use_decode_ops`): small bf16 inputs take our one-call `rms_norm`,
     with the same roundings, instead of the ~6 torch ops below (layers/kernel_ops.py).
     """
 
@@ -29,7 +30,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if takes_kernel(self, x) and self.takes_kernel_weight():
             weight = self.kernel_weight()
-            return torch.ops.edgeinfer_cpu.rms_norm(x.contiguous(), weight, self.eps, not self.unit_offset)
+            return ops.rms_norm(x.contiguous(), weight, self.eps, not self.unit_offset)
         shape = (x.shape[-1],)
         if self.unit_offset:
             return F.rms_norm(x.float(), shape, self._fp32_scale(), self.eps).type_as(x)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from edgeinfer.engine.kernels import ops
 from edgeinfer.engine.model.layers.kernel_ops import takes_kernel
 
 
@@ -130,7 +131,7 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if takes_kernel(self, x):
-            return torch.ops.edgeinfer_cpu.rope(x, cos, sin, self.rotary_dim, self.interleaved)
+            return ops.rope(x, cos, sin, self.rotary_dim, self.interleaved)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         if self.interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]

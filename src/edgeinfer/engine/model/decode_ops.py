@@ -1,5 +1,6 @@
-"""Our one-call decode ops (decode_ops.cpp) switched on for a model's layers; the runner also sets its
-attention backend's `decode_ops`.
+"""Our one-call decode ops (kernels/decode_ops.cpp) switched on for a model's layers; the runner also sets
+its attention backend's `decode_ops`. The switch lives with the layers it flips, so the kernels room
+imports no model.
 
 A one-sequence decode step of a small model costs more in calling ops than in their arithmetic. With
 the ops on, each RMSNorm of bf16 rows is one call instead of ~6, each rotary embedding one instead of

@@ -26,7 +26,7 @@ inline double number(const Numbers& c, const std::string& name) {
 }
 
 // How the eager path splits work between our kernels and ATen's (kernels/bf16.py GEMV_ROWS,
-// layers/kernel_ops.py MAX_ELEMENTS).
+// model/layers/kernel_ops.py MAX_ELEMENTS).
 struct Limits {
   int64_t gemv_rows = 0, max_elements = 0;
 };
@@ -59,8 +59,8 @@ struct Linear {
   }
 };
 
-// RMSNorm as layers/norm.py computes it: `weight` is Gemma's fp32 `1 + w` (the scale applied in fp32) or
-// a bf16 weight (`round_first`: the normalised rows rounded to bf16 before it multiplies them).
+// RMSNorm as model/layers/norm.py computes it: `weight` is Gemma's fp32 `1 + w` (the scale applied in
+// fp32) or a bf16 weight (`round_first`: the normalised rows rounded to bf16 before it multiplies them).
 struct Norm {
   at::Tensor weight;
   double eps = 0;

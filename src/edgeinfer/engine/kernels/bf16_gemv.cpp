@@ -11,11 +11,9 @@
 //
 // Each thread reads its rows one after another, each row start to end (a few independent sums per
 // activation row, so the dot product is not one dependency chain): its whole share of W is one sequential
-// stream, the pattern the hardware prefetcher follows best. Reading eight rows side by side, with or
-// without software prefetches of the next eight into L1, was slower (Gemma 3 270M's products, 2 threads,
-// AMD EPYC Zen 4, in this file's former AVX512-BF16 form: the 262k x 640 lm_head 18.4-19.7 ms -> 12.3-12.8
-// ms, 18 -> 27 GB/s, when read in order). bf16_tiles.cpp reads rows side by side again, with the next tile
-// prefetched into L2 instead, which outruns both.
+// stream, the pattern the hardware prefetcher follows best. Reading several rows side by side, with or
+// without software prefetches of the next ones into L1, breaks that stream and runs slower. bf16_tiles.cpp
+// reads rows side by side again, with the next tile prefetched into L2 instead, which outruns both.
 //
 // The variant is picked per call from what the CPU reports (isa.h). Rows are split across the engine's
 // threads in chunks of at least kGrainBytes of weight, so small layers are not spread over more threads

@@ -17,14 +17,10 @@
 //
 // Prefetch: side by side, the first pass over a block (activation rows from 0) fetches the next weight
 // tile into L2 (`prefetcht1`, a line per row per 32 inputs) while it multiplies this one. That is what
-// takes the weight stream to the memory bandwidth: Gemma's 262k x 640 lm_head, 2 threads, AMD EPYC
-// (Zen 4), at 4 / 8 / 16 / 32 rows, against prefetching into L1 (`prefetcht0`, which at 32 rows was no
-// faster than none): 10.3-10.6 / 10.5-10.9 / 16.8 / 31.0 ms against 16.5 / 20.6 / 27.1 / 40.1. Two tiles
-// ahead was the same as one, three slower. The earlier row-at-a-time kernel (four sums per output, which
-// this file's single order rules out) took 12.1-12.6 / 15.0-16.6 ms at 4 / 8 rows. At one row, a whole
-// decode step's products (Gemma 3 270M, 72 layer products and the lm_head, interleaved in one process):
-// in order 6.7-6.9 + 10.3-10.8 ms, side by side with the prefetch 7.2-7.4 + 11.3-11.8 ms, the
-// row-at-a-time kernel 6.8-7.0 + 10.4 ms (separate processes).
+// takes the weight stream to the memory bandwidth: prefetching into L1 instead (`prefetcht0`) leaves the
+// wider products no faster than no prefetch at all, and fetching further ahead than the next tile gains
+// nothing. At one row the side-by-side reads cost more than reading the rows in order, hence the
+// in-order reading of a single row above (timings: docs/engine.md, docs/benchmarks.md).
 
 #include "isa.h"
 #include "ops.h"

@@ -32,7 +32,7 @@ using edgeinfer_cpu::step::number;
 using edgeinfer_cpu::step::Numbers;
 using edgeinfer_cpu::step::Tensors;
 
-// Rotary embedding as layers/rotary.py applies it to x [T, H, D] with the step's tables [T, 1, w].
+// Rotary embedding as model/layers/rotary.py applies it to x [T, H, D] with the step's tables [T, 1, w].
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rd, bool interleaved,
                   const Limits& lim) {
   if (x.numel() <= lim.max_elements) return edgeinfer_cpu::rope(x, cos, sin, rd, interleaved);

@@ -175,8 +175,8 @@ at::Tensor int8_gemv(const at::Tensor& xq, const at::Tensor& x_scale, const at::
 // ---------------------------------------------------------------------------------------------
 // int8 x int8, [K, N] weights
 //
-// Layers with more inputs than outputs keep W^T row-major (`_int_mm`'s fast operand there, int8.py), so
-// four consecutive inputs of one output are N bytes apart. Four input rows of a block of 64 outputs are
+// Layers with more inputs than outputs keep W^T row-major (`_int_mm`'s fast operand there, quant/int8.py),
+// so four consecutive inputs of one output are N bytes apart. Four input rows of a block of 64 outputs are
 // interleaved in registers (`unpack` within 128-bit lanes) so that int32 lane j of register q holds
 // W[k..k+3] of output 16 * (j / 4) + 4 * q + j % 4 of the block: one `vpdpbusd` against the broadcast
 // activation codes a[k..k+3] advances 16 outputs by four inputs. Same offset trick and epilogue as above,

@@ -1,9 +1,13 @@
-"""Our CPU kernels (cpu_gemv.cpp, bf16_gemv.cpp, decode_ops.cpp, dense_step.cpp): built at first use,
+"""Our CPU kernels (cpu_gemv.cpp, bf16_gemv.cpp, decode_ops.cpp, dense_step.cpp, ...): built at first use,
 picked by CPU feature at run time.
 
-`load()` builds the extension with torch's C++ toolchain (a C++ compiler and ninja; ~20 s once, then
-cached per source under `$TORCH_EXTENSIONS_DIR` or our cache dir) and registers `torch.ops.edgeinfer_cpu.*`.
-The ops have fake implementations, so they run inside `torch.compile` graphs as library calls.
+A leaf room: torch, the standard library and the cache dir's location only (tests/test_rooms.py). The
+model room switches its layers onto the kernels (model/decode_ops.py, model/kernel_forms.py); every room
+calls them through the typed wrappers of `ops.py`, which load the extension where nothing has yet.
+
+`load()` builds the extension with torch's C++ toolchain (a C++ compiler and ninja; once, then cached per
+source under `$TORCH_EXTENSIONS_DIR` or our cache dir) and registers `torch.ops.edgeinfer_cpu.*`. The
+matmuls have fake implementations, so they run inside `torch.compile` graphs as library calls.
 
 The build targets plain x86-64; each fast variant carries its own target attribute (isa.h) and runs only
 where the CPU reports its features (AVX512-BF16, AVX512-VNNI, AVX-512, AVX2), else the next one down, so
@@ -11,14 +15,18 @@ a build cache shared between machines never runs an instruction a CPU lacks. `is
 use; `EDGEINFER_CPU_ISA` (scalar, avx2, avx512, avx512_vnni) caps it, for tests of the fallbacks.
 
 - `int8_gemv(xq, x_scale, w, w_scale)`: per-token int8 codes x row-major int8 weights -> fp32, bit for bit
-  the `_int_mm` path's result (int8.py); `int8_gemv_out(..., out)` writes a contiguous fp32 `out`;
+  the `_int_mm` path's result (quant/int8.py); `int8_gemv_out(..., out)` writes a contiguous fp32 `out`;
   `int8_gemv_kn` takes the weight stored `[K, N]` (int8 layers with more inputs than outputs).
-- `int4_gemv(x, codes, scales, zero_terms, group)`: W4A8 on the tiled layout of `int4_pack` (int4.py), for any
-  number of rows (the int8 dot products outrun a bf16 GEMM on the dequantized weight even at 512 rows).
+- `int4_gemv(x, codes, scales, zero_terms, group)`: W4A8 on the tiled layout of `int4_pack` (quant/int4.py),
+  for any number of rows (the int8 dot products outrun a bf16 GEMM on the dequantized weight even at 512
+  rows).
 - `bf16_gemv(x, w)` / `bf16_gemv_out(x, w, out)`: bf16 `[M, K]` x bf16 weight `[N, K]` (row-major, as
   stored) with fp32 sums, into bf16 or fp32 (bf16.py: float models' linear layers and lm_head at few rows).
-- `rms_norm`, `rope`, `gated_act` and `paged_decode_one`: the small ops of a one-sequence decode step, one
-  call each (decode.py); eager only (a compiled graph fuses the torch ops itself), so they have no fakes.
+- `rms_norm`, `rope`, `gated_act`, `paged_decode_one` and `paged_decode`: the small ops of a decode step, one
+  call each (switched on by model/decode_ops.py); eager only (a compiled graph fuses the torch ops itself),
+  so they have no fakes. `mla_decode`: latent attention's absorbed decode (attention/mla.py);
+  `packed_attention`: a packed encoder batch's attention (model/bert.py).
+- `torch.classes.edgeinfer_cpu.MoeBlock`: a sparse MoE block in one call (moe_block.cpp; model/moe.py).
 - `torch.classes.edgeinfer_cpu.DenseDecodeStep`: every layer of a dense model's one-sequence decode step in
   one call, through the kernels above (dense_step.cpp; built by model/fused_decode.py).
 """
@@ -49,13 +57,11 @@ _SOURCE_NAMES = (
     "encoder_attention.cpp",
 )
 _SOURCES = [Path(__file__).with_name(name) for name in _SOURCE_NAMES]
-# int8 inputs of up to this many rows take `int8_gemv` (wider ones `_int_mm`). Measured at 1 thread
-# (AVX512-VNNI) on the 262k x 640 Gemma lm_head at 1 / 4 / 16 rows: 7.8 / 8.3 / 35 ms, `_int_mm` 37 / 37 / 39.
+# int8 inputs of up to this many rows take `int8_gemv` (wider ones `_int_mm`): at a few rows it runs at the
+# memory's pace, where `_int_mm` costs about as much at one row as at many; by this many the two meet.
 GEMV_ROWS = 16
 # The same for int8 weights stored `[K, N]` (`int8_gemv_kn`), which interleaves the weight in registers for
-# every 4 rows. Measured at 1 thread on Gemma's down_proj (640 x 2048) at 1 / 2 / 4 / 8 / 16 rows: 0.077 /
-# 0.091 / 0.120 / 0.186 / 0.311 ms, `_int_mm` 0.125 / 0.126 / 0.143 / 0.169 / 0.228 (both with the
-# activation quantization).
+# every 4 rows: past one such pass `_int_mm`'s blocked GEMM is the faster.
 GEMV_KN_ROWS = 4
 TILE = 16  # int4 rows per tile (cpu_gemv.cpp kTile)
 SLAB = 8  # int4 inputs per 64-byte slab (kSlab)
@@ -70,9 +76,15 @@ class KernelBuildError(RuntimeError):
     """The extension could not be compiled or loaded here."""
 
 
+# Whether `load()` has returned in this process. `ops.py` checks it on every call: a global read, which
+# `torch.compile` folds into a guard, where calling `load()` would have it trace into the build code.
+loaded = False
+
+
 @cache
 def load() -> None:
     """Build (or reuse) and load the extension; raises KernelBuildError with the compiler's reason."""
+    global loaded
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise KernelBuildError(f"the CPU GEMV kernels are x86-only, this machine is {platform.machine()}")
     cap = os.environ.get(ISA_ENV, "")
@@ -83,13 +95,14 @@ def load() -> None:
         _build(build)
         (build / _FINISHED).touch()
     _register_fakes()
+    loaded = True
     log.info("CPU GEMV kernels loaded (instruction set: %s)", torch.ops.edgeinfer_cpu.isa())
 
 
 _NAME = "edgeinfer_cpu_kernels"
 # Written after a build succeeds. The directory is keyed by everything the build reads (_build_dir), so
 # a finished one is loaded as it is: torch's loader would import setuptools and run ninja to find that
-# nothing changed (0.06-0.15 s of every start).
+# nothing changed, a cost paid again on every start.
 _FINISHED = "finished"
 
 
@@ -135,12 +148,11 @@ _CFLAGS = ["-O3", "-fopenmp"]
 def _build_dir() -> Path:
     """A build directory of this source, flags and torch, under `$TORCH_EXTENSIONS_DIR` or our cache dir.
     torch's own default keeps one build per extension name, so two installs with different sources
-    rebuild over each other on every start (measured: 39 s of a cached start). The sources' paths are
-    hashed too: torch's build file names them, so two checkouts of the same source in one directory
-    rebuild over each other as well. So is the `ninja` on PATH that torch runs: ninja 1.12 changed the
-    hash its log keeps of each command, so the pip package's ninja (in an activated venv) and the
-    system's (the same install run by path) each took the other's build as stale (a 40 s rebuild on
-    every switch)."""
+    would rebuild over each other on every start. The sources' paths are hashed too: torch's build file
+    names them, so two checkouts of the same source in one directory would rebuild over each other as
+    well. So is the `ninja` on PATH that torch runs: ninja 1.12 changed the hash its log keeps of each
+    command, so the pip package's ninja (in an activated venv) and the system's (the same install run by
+    path) would each take the other's build as stale and rebuild it on every switch."""
     from edgeinfer.engine.cache_dir import cache_root
 
     ninja = shutil.which("ninja") or ""
@@ -181,15 +193,14 @@ def cpu_has_vnni() -> bool:
 
 
 def cpu_has_avx2() -> bool:
-    """AVX2 and FMA: the least our kernels need to beat torch's (x86 only). Measured on a 2-core AMD EPYC
-    (Zen 3, AVX2 only), one row: int4 2048 x 640 0.073 ms, torch's int4 kernel 0.180; the 262k x 640 lm_head
-    in int4 7.4 ms, torch 15.4; in int8 10.9 ms, `_int_mm` 98."""
+    """AVX2 and FMA: the least our kernels need to beat torch's (x86 only): at half AVX-512's width the
+    int8 and int4 products of a decode step still outrun torch's kernels (docs/quantization.md)."""
     return platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_flags()
 
 
 def count_bf16_linears(model: torch.nn.Module) -> int:
     """bf16 `nn.Linear` layers on CPU that `bf16.use_bf16_gemv` would replace."""
-    from edgeinfer.engine.quant.kernels.bf16 import fits
+    from edgeinfer.engine.kernels.bf16 import fits
 
     return sum(type(m) is torch.nn.Linear and fits(m.weight) for m in model.modules())
 

@@ -1,8 +1,7 @@
 // The small ops of a decode step, one call each instead of a dozen torch ops (with AVX-512, prefill's too).
 //
-// At one sequence a step of a small model is mostly the cost of calling ops, not of their arithmetic
-// (Gemma 3 270M: ~2,000 torch calls, ~25 ms of a ~50 ms bf16 step at 2 threads). These repay a kernel
-// of their own:
+// At one sequence a step of a small model is mostly the cost of calling ops (thousands of torch calls a
+// step), not of their arithmetic. These repay a kernel of their own:
 //
 //   rms_norm:         RMSNorm of bf16 rows in fp32, with either family's rounding (below);
 //   rope:             rotary embedding of q or k, halves or interleaved pairs;
@@ -139,8 +138,8 @@ EDGEINFER_TARGET_AVX512_BASE inline __m512 exp_nonpositive(__m512 x) {
 // act(gate) * up for one row of n values (n a multiple of 16), rounded as the torch ops round: the
 // activation to bf16, then the product. gelu (tanh): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)));
 // silu: g / (1 + e^-g). Both through e^-|y| (so never an overflow), within a few fp32 ulps of ATen's Sleef
-// functions: silu's bf16 results were ATen's bit for bit in tests; gelu's differ by one bf16 step in ~2 %
-// (where 1 + tanh(y) cancels for y << 0, both roundings are amplified), by more only near 0.
+// functions: silu's bf16 results come out as ATen's bit for bit; gelu's now and then differ by one bf16
+// step (where 1 + tanh(y) cancels for y << 0, both roundings are amplified), by more only near 0.
 template <int kAct>
 EDGEINFER_TARGET_AVX512 void gated_row_avx512(const uint16_t* gate, const uint16_t* up, int64_t n, c10::BFloat16* y) {
   using edgeinfer_cpu::bf16x16_to_fp32;
@@ -390,8 +389,8 @@ void attend_group(const float* q, int64_t group, const uint16_t* const* k_rows, 
 // (products exact, fp32 sums) and one transpose-add tree sums the 16 chains (isa.h's sum_lanes16);
 // the softmax in vectors (exp by a degree-6 polynomial on the reduced argument, within ~1 ulp of
 // std::exp); then V rows widened once per 64 outputs and multiplied into G query heads' sums in registers.
-// Gemma 3 270M's shape (4 query heads of 256 per KV head), 32 sequences of 200 keys, 2 threads, AMD EPYC
-// (Zen 4): 0.75 -> 0.31 ms a layer against the fp32 loops; outputs equal but for 0.14 % one bf16 step apart.
+// That outruns the fp32 loops above at decode shapes (timings: docs/engine.md); the outputs
+// equal theirs but for an occasional value one bf16 step apart.
 
 // scores[j] = bf16(q . k_j) * scale for keys [0, n), 16 at a time (a partial last 16 computed on the last
 // key again and not stored).
