@@ -72,8 +72,13 @@ def test_the_kernel_block_computes_the_torch_block(router: str, shared: bool, fo
 
 
 @pytest.mark.parametrize("router", list(ROUTERS))
-def test_a_token_is_computed_alike_in_any_batch(router: str) -> None:
+@pytest.mark.parametrize("form", ["bf16", "int4"])
+def test_a_token_is_computed_alike_in_any_batch(router: str, form: str) -> None:
+    """int4 takes another path for a lone token (one parallel region for all its experts): bit for bit
+    the grouped one's rows."""
     block = _block(router, shared=True, seed=1)
+    if form == "int4":
+        block = _int4(block)
     assert block.use_kernel()
     x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     together = block(x)

@@ -617,6 +617,40 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return out;
 }
 
+at::Tensor int4_gemv_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& zero_terms, const int64_t* experts, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "int4_gemv_rows: x must be contiguous bf16 [J, K]");
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.size(3) == 64 && codes.is_contiguous(),
+              "int4_gemv_rows: codes must be contiguous uint8 [E, N/16, K/8, 64]");
+  const int64_t rows = x.size(0), k = x.size(1), tiles = codes.size(1), n = tiles * kTile, ng = k / group;
+  TORCH_CHECK(group % kSlab == 0 && k % group == 0 && codes.size(2) * kSlab == k, "int4_gemv_rows: shapes");
+  TORCH_CHECK(scales.is_contiguous() && zero_terms.is_contiguous() && scales.numel() == codes.size(0) * n * ng &&
+                  zero_terms.numel() == scales.numel(),
+              "int4_gemv_rows: scales and zero terms must be contiguous [E, N/16, K/G, 16]");
+  for (int64_t j = 0; j < rows; ++j)
+    TORCH_CHECK(experts[j] >= 0 && experts[j] < codes.size(0), "int4_gemv_rows: expert out of range");
+  const ActGroups a = quantize_groups(x.data_ptr<at::BFloat16>(), rows, k, group);
+  auto out = at::empty({rows, n}, x.options());
+  at::BFloat16* ob = out.data_ptr<at::BFloat16>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero_terms.data_ptr<at::BFloat16>());
+  const int64_t codes_per_expert = tiles * (k / kSlab) * 64, groups_per_expert = tiles * ng * kTile;
+  const TileFn tile = pick_tile(1, group, int_path());
+  // every (row, tile) in one parallel region: one row per expert, so no weight is shared between rows
+  at::parallel_for(0, rows * tiles, 16, [&](int64_t u0, int64_t u1) {
+    float buf[kTile];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t j = u / tiles, t = u % tiles, e = experts[j];
+      tile(cp + e * codes_per_expert + t * (k / kSlab) * 64, sp + e * groups_per_expert + t * ng * kTile,
+           zp + e * groups_per_expert + t * ng * kTile, k, a, j, buf);
+      for (int64_t r = 0; r < kTile; ++r) ob[j * n + t * kTile + r] = at::BFloat16(buf[r]);
+    }
+  });
+  return out;
+}
+
 }  // namespace edgeinfer_cpu
 
 namespace {

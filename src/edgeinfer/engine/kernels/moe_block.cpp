@@ -137,6 +137,10 @@ at::Tensor ExpertStack::operator()(const at::Tensor& rows, int64_t e, const step
   return int4_gemv(rows.contiguous(), codes.select(0, e), scales.select(0, e), zero_terms.select(0, e), group);
 }
 
+at::Tensor ExpertStack::per_row(const at::Tensor& x, const int64_t* experts) const {
+  return int4_gemv_rows(x, codes, scales, zero_terms, experts, group);
+}
+
 std::pair<at::Tensor, at::Tensor> Router::operator()(const at::Tensor& x) const {
   const int64_t t = x.size(0), experts = weight.size(0);
   const at::Tensor logits =
@@ -202,8 +206,23 @@ at::Tensor MoeBlock::forward(at::Tensor x) const {
   return out;
 }
 
+// One token's k experts, each row exactly as the grouped path below computes it: with one row per expert
+// there is nothing to group, and a parallel region per product would cost more than the int4 reads.
+at::Tensor MoeBlock::one_token_int4(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const {
+  const int64_t k = router_.top_k, h = x.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const at::Tensor y = down_.per_row(gated_act(gate_up_.per_row(x.expand({k, h}).contiguous(), id), act_).contiguous(), id);
+  const uint16_t* yb = bits(y);
+  std::vector<const uint16_t*> rows(k);
+  for (int64_t j = 0; j < k; ++j) rows[j] = yb + j * h;
+  at::Tensor out = at::empty({1, h}, x.options());
+  combine_row(rows.data(), weights.data_ptr<float>(), k, h, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  return out;
+}
+
 at::Tensor MoeBlock::experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const {
   const int64_t t = x.size(0), k = router_.top_k, h = x.size(1), experts = gate_up_.experts();
+  if (t == 1 && gate_up_.int4() && down_.int4()) return one_token_int4(x, weights, ids);
   // the (token, slot) pairs in expert order, in pair order within an expert (a counting sort)
   const int64_t* id = ids.data_ptr<int64_t>();
   std::vector<int64_t> start(experts + 1, 0), pairs(t * k);

@@ -23,6 +23,9 @@ struct ExpertStack {
   int64_t experts() const { return weight.defined() ? weight.size(0) : codes.size(0); }
   // rows [n, K] (bf16) @ expert e's weight^T -> [n, N] bf16
   at::Tensor operator()(const at::Tensor& rows, int64_t e, const step::Limits& lim) const;
+  bool int4() const { return codes.defined(); }
+  // int4 only: row j of x [J, K] (bf16, contiguous) @ expert experts[j]'s weight^T -> [J, N] bf16
+  at::Tensor per_row(const at::Tensor& x, const int64_t* experts) const;
 };
 
 // Which experts each token goes to, with what weight (model/routing.py's two scorings).
@@ -51,6 +54,7 @@ class MoeBlock : public torch::CustomClassHolder {
 
  private:
   at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const;
+  at::Tensor one_token_int4(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const;
 
   Router router_;
   ExpertStack gate_up_, down_;

@@ -33,5 +33,9 @@ void bf16_tiles_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
 // cpu_gemv.cpp
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const at::Tensor& zero_terms, int64_t group);
+// Row j of bf16 x [J, K] times expert experts[j] of an int4 stack (codes [E, N/16, K/8, 64], scales and
+// zero terms [E, N/16, K/G, 16]) -> bf16 [J, N], each row as int4_gemv computes it, in one parallel region.
+at::Tensor int4_gemv_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& zero_terms, const int64_t* experts, int64_t group);
 
 }  // namespace edgeinfer_cpu
