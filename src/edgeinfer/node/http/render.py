@@ -76,6 +76,17 @@ class Renderer(abc.ABC):
     def error_event(self, error: ApiError) -> dict[str, Any]:
         return error.openai_body()
 
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """The fields every OpenAI response and chunk of this request carries."""
+        return {
+            "id": self.job.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.job.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+        }
+
 
 class CompletionRenderer(Renderer):
     """OpenAI /v1/completions (`text_completion`)."""
@@ -83,16 +94,6 @@ class CompletionRenderer(Renderer):
     def __init__(self, job: Job, version: str) -> None:
         super().__init__(job, version)
         self._offsets: dict[int, int] = {}
-
-    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.job.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.job.model,
-            "system_fingerprint": self.fingerprint,
-            "choices": choices,
-        }
 
     def response(self, collected: Collected, usage: Usage) -> dict[str, Any]:
         choices = [
@@ -106,7 +107,7 @@ class CompletionRenderer(Renderer):
             }
             for i in range(self.job.num_choices)
         ]
-        return {**self._envelope(choices), "usage": openai_usage(usage)}
+        return {**self._envelope("text_completion", choices), "usage": openai_usage(usage)}
 
     def chunk(self, delta: ChoiceDelta) -> dict[str, Any]:
         choice = {
@@ -117,7 +118,7 @@ class CompletionRenderer(Renderer):
             else None,
             "finish_reason": delta.finish_reason,
         }
-        body = self._envelope([choice])
+        body = self._envelope("text_completion", [choice])
         if self.job.include_usage:
             body["usage"] = None
         return body
@@ -125,7 +126,7 @@ class CompletionRenderer(Renderer):
     def final_chunks(self, usage: Usage) -> list[dict[str, Any]]:
         if not self.job.include_usage:
             return []
-        return [{**self._envelope([]), "usage": openai_usage(usage)}]
+        return [{**self._envelope("text_completion", []), "usage": openai_usage(usage)}]
 
     def _logprobs(self, index: int, entries: list[LogprobEntry]) -> dict[str, Any]:
         """Legacy completions logprobs; `text_offset` indexes into the choice's returned text."""
@@ -151,16 +152,6 @@ class ChatRenderer(Renderer):
     def __init__(self, job: Job, version: str) -> None:
         super().__init__(job, version)
         self._started: set[int] = set()
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.job.request_id,
-            "object": obj,
-            "created": self.created,
-            "model": self.job.model,
-            "system_fingerprint": self.fingerprint,
-            "choices": choices,
-        }
 
     def response(self, collected: Collected, usage: Usage) -> dict[str, Any]:
         choices = [
