@@ -74,8 +74,8 @@ def test_the_kernel_block_computes_the_torch_block(router: str, shared: bool, fo
 @pytest.mark.parametrize("router", list(ROUTERS))
 @pytest.mark.parametrize("form", ["bf16", "int4"])
 def test_a_token_is_computed_alike_in_any_batch(router: str, form: str) -> None:
-    """int4 takes another path for a lone token (one parallel region for all its experts): bit for bit
-    the grouped one's rows."""
+    """A lone token and a batch of 24 (several tokens to some experts, each expert's rows in blocks)
+    give each token the same bits, bf16 and int4."""
     block = _block(router, shared=True, seed=1)
     if form == "int4":
         block = _int4(block)

@@ -617,35 +617,50 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return out;
 }
 
-at::Tensor int4_gemv_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                          const at::Tensor& zero_terms, const int64_t* experts, int64_t group) {
+at::Tensor int4_gemv_grouped(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const at::Tensor& zero_terms, const std::vector<int64_t>& start, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "int4_gemv_rows: x must be contiguous bf16 [J, K]");
+              "int4_gemv_grouped: x must be contiguous bf16 [R, K]");
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.size(3) == 64 && codes.is_contiguous(),
-              "int4_gemv_rows: codes must be contiguous uint8 [E, N/16, K/8, 64]");
-  const int64_t rows = x.size(0), k = x.size(1), tiles = codes.size(1), n = tiles * kTile, ng = k / group;
-  TORCH_CHECK(group % kSlab == 0 && k % group == 0 && codes.size(2) * kSlab == k, "int4_gemv_rows: shapes");
-  TORCH_CHECK(scales.is_contiguous() && zero_terms.is_contiguous() && scales.numel() == codes.size(0) * n * ng &&
+              "int4_gemv_grouped: codes must be contiguous uint8 [E, N/16, K/8, 64]");
+  const int64_t experts = codes.size(0), k = x.size(1), tiles = codes.size(1), n = tiles * kTile;
+  TORCH_CHECK(group % kSlab == 0 && k % group == 0 && codes.size(2) * kSlab == k, "int4_gemv_grouped: shapes");
+  const int64_t ng = k / group;
+  TORCH_CHECK(scales.is_contiguous() && zero_terms.is_contiguous() && scales.numel() == experts * n * ng &&
                   zero_terms.numel() == scales.numel(),
-              "int4_gemv_rows: scales and zero terms must be contiguous [E, N/16, K/G, 16]");
-  for (int64_t j = 0; j < rows; ++j)
-    TORCH_CHECK(experts[j] >= 0 && experts[j] < codes.size(0), "int4_gemv_rows: expert out of range");
-  const ActGroups a = quantize_groups(x.data_ptr<at::BFloat16>(), rows, k, group);
-  auto out = at::empty({rows, n}, x.options());
+              "int4_gemv_grouped: scales and zero terms must be contiguous [E, N/16, K/G, 16]");
+  TORCH_CHECK(static_cast<int64_t>(start.size()) == experts + 1 && start.front() == 0 && start.back() == x.size(0),
+              "int4_gemv_grouped: start must hold E + 1 row offsets, from 0 to R");
+  std::vector<int64_t> used;  // the experts with rows
+  for (int64_t e = 0; e < experts; ++e) {
+    TORCH_CHECK(start[e] <= start[e + 1], "int4_gemv_grouped: row offsets must not decrease");
+    if (start[e + 1] > start[e]) used.push_back(e);
+  }
+  const ActGroups a = quantize_groups(x.data_ptr<at::BFloat16>(), x.size(0), k, group);
+  auto out = at::empty({x.size(0), n}, x.options());
   at::BFloat16* ob = out.data_ptr<at::BFloat16>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero_terms.data_ptr<at::BFloat16>());
   const int64_t codes_per_expert = tiles * (k / kSlab) * 64, groups_per_expert = tiles * ng * kTile;
-  const TileFn tile = pick_tile(1, group, int_path());
-  // every (row, tile) in one parallel region: one row per expert, so no weight is shared between rows
-  at::parallel_for(0, rows * tiles, 16, [&](int64_t u0, int64_t u1) {
-    float buf[kTile];
+  const Path path = int_path();
+  const TileFn full = pick_tile(kRowBlock, group, path);
+  // every (expert, tile) in one parallel region; within a unit, the expert's rows in blocks as int4_gemv
+  // takes them, so each row comes out as int4_gemv computes it
+  const int64_t units = static_cast<int64_t>(used.size()) * tiles;
+  at::parallel_for(0, units, 16, [&](int64_t u0, int64_t u1) {
+    float buf[kRowBlock * kTile];
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t j = u / tiles, t = u % tiles, e = experts[j];
-      tile(cp + e * codes_per_expert + t * (k / kSlab) * 64, sp + e * groups_per_expert + t * ng * kTile,
-           zp + e * groups_per_expert + t * ng * kTile, k, a, j, buf);
-      for (int64_t r = 0; r < kTile; ++r) ob[j * n + t * kTile + r] = at::BFloat16(buf[r]);
+      const int64_t e = used[u / tiles], t = u % tiles;
+      const uint8_t* ct = cp + e * codes_per_expert + t * (k / kSlab) * 64;
+      const uint16_t* st = sp + e * groups_per_expert + t * ng * kTile;
+      const uint16_t* zt = zp + e * groups_per_expert + t * ng * kTile;
+      for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += kRowBlock) {
+        const int64_t mb = std::min(kRowBlock, start[e + 1] - m0);
+        (mb == kRowBlock ? full : pick_tile(mb, group, path))(ct, st, zt, k, a, m0, buf);
+        for (int64_t m = 0; m < mb; ++m)
+          for (int64_t r = 0; r < kTile; ++r) ob[(m0 + m) * n + t * kTile + r] = at::BFloat16(buf[m * kTile + r]);
+      }
     }
   });
   return out;

@@ -137,8 +137,8 @@ at::Tensor ExpertStack::operator()(const at::Tensor& rows, int64_t e, const step
   return int4_gemv(rows.contiguous(), codes.select(0, e), scales.select(0, e), zero_terms.select(0, e), group);
 }
 
-at::Tensor ExpertStack::per_row(const at::Tensor& x, const int64_t* experts) const {
-  return int4_gemv_rows(x, codes, scales, zero_terms, experts, group);
+at::Tensor ExpertStack::grouped(const at::Tensor& x, const std::vector<int64_t>& start) const {
+  return int4_gemv_grouped(x, codes, scales, zero_terms, start, group);
 }
 
 std::pair<at::Tensor, at::Tensor> Router::operator()(const at::Tensor& x) const {
@@ -206,23 +206,46 @@ at::Tensor MoeBlock::forward(at::Tensor x) const {
   return out;
 }
 
-// One token's k experts, each row exactly as the grouped path below computes it: with one row per expert
-// there is nothing to group, and a parallel region per product would cost more than the int4 reads.
-at::Tensor MoeBlock::one_token_int4(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const {
-  const int64_t k = router_.top_k, h = x.size(1);
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const at::Tensor y = down_.per_row(gated_act(gate_up_.per_row(x.expand({k, h}).contiguous(), id), act_).contiguous(), id);
+// int4 experts: every chosen expert's rows in one parallel region per projection (a parallel region per
+// expert and projection costs more than an expert's int4 reads), each row as int4_gemv computes it.
+void MoeBlock::int4_experts(const at::Tensor& x, const std::vector<int64_t>& start, const std::vector<int64_t>& pairs,
+                            at::Tensor& pair_out) const {
+  const int64_t k = router_.top_k, h = x.size(1), n = static_cast<int64_t>(pairs.size());
+  at::Tensor tokens = at::empty({n}, x.options().dtype(at::kLong));
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) tp[i] = pairs[i] / k;
+  const at::Tensor rows = x.index_select(0, tokens);
+  const at::Tensor y = down_.grouped(gated_act(gate_up_.grouped(rows, start), act_).contiguous(), start);
   const uint16_t* yb = bits(y);
-  std::vector<const uint16_t*> rows(k);
-  for (int64_t j = 0; j < k; ++j) rows[j] = yb + j * h;
-  at::Tensor out = at::empty({1, h}, x.options());
-  combine_row(rows.data(), weights.data_ptr<float>(), k, h, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
-  return out;
+  auto* po = reinterpret_cast<uint16_t*>(pair_out.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < n; ++i) std::memcpy(po + pairs[i] * h, yb + i * h, h * sizeof(uint16_t));
+}
+
+// Any other experts: each chosen expert over all its rows at once, through ExpertStack's products.
+void MoeBlock::each_expert(const at::Tensor& x, const std::vector<int64_t>& start, const std::vector<int64_t>& pairs,
+                           at::Tensor& pair_out) const {
+  const int64_t k = router_.top_k, h = x.size(1);
+  auto* po = reinterpret_cast<uint16_t*>(pair_out.data_ptr<at::BFloat16>());
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(start.size()); ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    const int64_t* p = pairs.data() + start[e];
+    at::Tensor rows;
+    if (n == 1) {
+      rows = x.narrow(0, p[0] / k, 1);
+    } else {
+      at::Tensor tokens = at::empty({n}, x.options().dtype(at::kLong));
+      for (int64_t i = 0; i < n; ++i) tokens.data_ptr<int64_t>()[i] = p[i] / k;
+      rows = x.index_select(0, tokens);
+    }
+    const at::Tensor y = down_(gated_act(gate_up_(rows, e, limits_), act_), e, limits_).contiguous();
+    const uint16_t* yb = bits(y);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(po + p[i] * h, yb + i * h, h * sizeof(uint16_t));
+  }
 }
 
 at::Tensor MoeBlock::experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const {
   const int64_t t = x.size(0), k = router_.top_k, h = x.size(1), experts = gate_up_.experts();
-  if (t == 1 && gate_up_.int4() && down_.int4()) return one_token_int4(x, weights, ids);
   // the (token, slot) pairs in expert order, in pair order within an expert (a counting sort)
   const int64_t* id = ids.data_ptr<int64_t>();
   std::vector<int64_t> start(experts + 1, 0), pairs(t * k);
@@ -232,22 +255,10 @@ at::Tensor MoeBlock::experts(const at::Tensor& x, const at::Tensor& weights, con
   for (int64_t p = 0; p < t * k; ++p) pairs[cursor[id[p]]++] = p;
   at::Tensor pair_out = at::empty({t * k, h}, x.options());
   auto* po = reinterpret_cast<uint16_t*>(pair_out.data_ptr<at::BFloat16>());
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t n = start[e + 1] - start[e];
-    if (n == 0) continue;
-    const int64_t* p = pairs.data() + start[e];
-    at::Tensor rows;
-    if (n == 1) {
-      rows = x.narrow(0, p[0] / k, 1);
-    } else {
-      at::Tensor tokens = at::empty({n}, ids.options());
-      for (int64_t i = 0; i < n; ++i) tokens.data_ptr<int64_t>()[i] = p[i] / k;
-      rows = x.index_select(0, tokens);
-    }
-    const at::Tensor y = down_(gated_act(gate_up_(rows, e, limits_), act_), e, limits_).contiguous();
-    const uint16_t* yb = bits(y);
-    for (int64_t i = 0; i < n; ++i) std::memcpy(po + p[i] * h, yb + i * h, h * sizeof(uint16_t));
-  }
+  if (gate_up_.int4() && down_.int4())
+    int4_experts(x, start, pairs, pair_out);
+  else
+    each_expert(x, start, pairs, pair_out);
   at::Tensor out = at::empty({t, h}, x.options());
   auto* ob = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* w = weights.data_ptr<float>();

@@ -9,6 +9,7 @@
 #include <torch/custom_class.h>
 
 #include <string>
+#include <vector>
 
 namespace edgeinfer_cpu {
 
@@ -24,8 +25,8 @@ struct ExpertStack {
   // rows [n, K] (bf16) @ expert e's weight^T -> [n, N] bf16
   at::Tensor operator()(const at::Tensor& rows, int64_t e, const step::Limits& lim) const;
   bool int4() const { return codes.defined(); }
-  // int4 only: row j of x [J, K] (bf16, contiguous) @ expert experts[j]'s weight^T -> [J, N] bf16
-  at::Tensor per_row(const at::Tensor& x, const int64_t* experts) const;
+  // int4 only: rows start[e] .. start[e + 1] of x [R, K] (bf16, contiguous) @ expert e's weight^T -> [R, N]
+  at::Tensor grouped(const at::Tensor& x, const std::vector<int64_t>& start) const;
 };
 
 // Which experts each token goes to, with what weight (model/routing.py's two scorings).
@@ -54,7 +55,12 @@ class MoeBlock : public torch::CustomClassHolder {
 
  private:
   at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const;
-  at::Tensor one_token_int4(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const;
+  // Fill pair_out [T * k, H] with each (token, slot) pair's expert output; `start` and `pairs`: the pairs
+  // in expert order (expert e's are pairs[start[e]] .. pairs[start[e + 1] - 1]).
+  void int4_experts(const at::Tensor& x, const std::vector<int64_t>& start, const std::vector<int64_t>& pairs,
+                    at::Tensor& pair_out) const;
+  void each_expert(const at::Tensor& x, const std::vector<int64_t>& start, const std::vector<int64_t>& pairs,
+                   at::Tensor& pair_out) const;
 
   Router router_;
   ExpertStack gate_up_, down_;

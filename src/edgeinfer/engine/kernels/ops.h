@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace edgeinfer_cpu {
 
@@ -33,9 +34,10 @@ void bf16_tiles_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
 // cpu_gemv.cpp
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const at::Tensor& zero_terms, int64_t group);
-// Row j of bf16 x [J, K] times expert experts[j] of an int4 stack (codes [E, N/16, K/8, 64], scales and
-// zero terms [E, N/16, K/G, 16]) -> bf16 [J, N], each row as int4_gemv computes it, in one parallel region.
-at::Tensor int4_gemv_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                          const at::Tensor& zero_terms, const int64_t* experts, int64_t group);
+// Rows start[e] .. start[e + 1] of bf16 x [R, K] times expert e of an int4 stack (codes [E, N/16, K/8, 64],
+// scales and zero terms [E, N/16, K/G, 16]) -> bf16 [R, N], each row as int4_gemv computes it, every
+// expert's products in one parallel region.
+at::Tensor int4_gemv_grouped(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const at::Tensor& zero_terms, const std::vector<int64_t>& start, int64_t group);
 
 }  // namespace edgeinfer_cpu
