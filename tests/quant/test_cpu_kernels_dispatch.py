@@ -91,7 +91,9 @@ def test_bf16_gemv_rows_do_not_depend_on_the_batch_or_threads(ops, k):
         ("int4:128", 128, 256),
     ],
 )
-def test_int_kernels_fallback_equals_the_fast_variant(ops, capped, method, out, inp):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int_kernels_fallback_equals_the_fast_variant(ops, capped, method, out, inp, dtype):
+    """Also for bf16 inputs, whose int4 activation codes are taken by AVX-512 loops where the CPU has them."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(out, inp, generator=g) * 0.05
     layer = QuantLinear.from_float(weight, None, parse_quantization(method))
@@ -99,7 +101,9 @@ def test_int_kernels_fallback_equals_the_fast_variant(ops, capped, method, out, 
     results = {}
     for level in _levels_here(ops):
         capped(level)
-        results[level] = [layer(torch.randn(rows, inp, generator=g.manual_seed(rows))) for rows in (1, 3, 6)]
+        results[level] = [
+            layer(torch.randn(rows, inp, generator=g.manual_seed(rows)).to(dtype)) for rows in (1, 3, 6)
+        ]
     assert "scalar" in results and (len(results) > 1) == kernels.cpu_has_avx2()
     # the VNNI and AVX2 variants and the plain loops do the same integer sums and the same float epilogue
     for level, ys in results.items():

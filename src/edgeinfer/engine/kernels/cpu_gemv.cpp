@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -364,10 +365,45 @@ struct ActGroups {
   std::vector<int32_t> sum;  // [M, K/G]: sum of codes, for the zero term
 };
 
+#if EDGEINFER_X86
+// One group of bf16 activations, as the scalar loop below computes it: the max of |x| (order-free, and a
+// NaN ignored as std::max ignores it), codes rounded half to even, and their exact sum.
+EDGEINFER_TARGET_AVX512 void quantize_group_avx512(const uint16_t* xb, int64_t g, int8_t* qb, float* scale,
+                                                   int32_t* sum) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t i = 0; i < g; i += 16) mx = _mm512_max_ps(_mm512_abs_ps(edgeinfer_cpu::bf16x16_to_fp32(xb + i)), mx);
+  const float s = _mm512_reduce_max_ps(mx) / 127.f;
+  const __m512 inv = _mm512_set1_ps(s > 0.f ? 1.f / s : 0.f);
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t i = 0; i < g; i += 16) {
+    const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(edgeinfer_cpu::bf16x16_to_fp32(xb + i), inv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i), _mm512_cvtepi32_epi8(q));
+    acc = _mm512_add_epi32(acc, q);
+  }
+  *scale = s;
+  *sum = _mm512_reduce_add_epi32(acc);
+}
+#endif
+
 template <typename T>
 ActGroups quantize_groups(const T* x, int64_t m_rows, int64_t k, int64_t g) {
   const int64_t ng = k / g;
   ActGroups a{std::vector<int8_t>(m_rows * k), std::vector<float>(m_rows * ng), std::vector<int32_t>(m_rows * ng)};
+#if EDGEINFER_X86
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (g % 16 == 0 && edgeinfer_cpu::isa_allows(edgeinfer_cpu::Isa::kAvx512)) {
+      const auto* xb = reinterpret_cast<const uint16_t*>(x);
+      for (int64_t m = 0; m < m_rows; ++m)
+        for (int64_t b = 0; b < ng; ++b)
+          quantize_group_avx512(xb + m * k + b * g, g, a.q.data() + m * k + b * g, &a.scale[m * ng + b],
+                                &a.sum[m * ng + b]);
+      return a;
+    }
+  }
+#endif
   for (int64_t m = 0; m < m_rows; ++m) {
     for (int64_t b = 0; b < ng; ++b) {
       const T* xb = x + m * k + b * g;
