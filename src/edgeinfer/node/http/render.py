@@ -6,7 +6,7 @@ import abc
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from edgeinfer.api.errors import ApiError
 from edgeinfer.api.jobs import Job
@@ -76,8 +76,15 @@ class Renderer(abc.ABC):
     def error_event(self, error: ApiError) -> dict[str, Any]:
         return error.openai_body()
 
+
+class OpenAIRenderer(Renderer):
+    """What OpenAI's completions and chat share: the envelope of every body, the stream's usage field and
+    final usage chunk. Subclasses name their objects and build the choices."""
+
+    response_object: ClassVar[str]
+    chunk_object: ClassVar[str]
+
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        """The fields every OpenAI response and chunk of this request carries."""
         return {
             "id": self.job.request_id,
             "object": obj,
@@ -87,9 +94,25 @@ class Renderer(abc.ABC):
             "choices": choices,
         }
 
+    def _response(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+        return {**self._envelope(self.response_object, choices), "usage": openai_usage(usage)}
 
-class CompletionRenderer(Renderer):
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object, [choice])
+        if self.job.include_usage:
+            body["usage"] = None
+        return body
+
+    def final_chunks(self, usage: Usage) -> list[dict[str, Any]]:
+        if not self.job.include_usage:
+            return []
+        return [{**self._envelope(self.chunk_object, []), "usage": openai_usage(usage)}]
+
+
+class CompletionRenderer(OpenAIRenderer):
     """OpenAI /v1/completions (`text_completion`)."""
+
+    response_object = chunk_object = "text_completion"
 
     def __init__(self, job: Job, version: str) -> None:
         super().__init__(job, version)
@@ -107,7 +130,7 @@ class CompletionRenderer(Renderer):
             }
             for i in range(self.job.num_choices)
         ]
-        return {**self._envelope("text_completion", choices), "usage": openai_usage(usage)}
+        return self._response(choices, usage)
 
     def chunk(self, delta: ChoiceDelta) -> dict[str, Any]:
         choice = {
@@ -118,15 +141,7 @@ class CompletionRenderer(Renderer):
             else None,
             "finish_reason": delta.finish_reason,
         }
-        body = self._envelope("text_completion", [choice])
-        if self.job.include_usage:
-            body["usage"] = None
-        return body
-
-    def final_chunks(self, usage: Usage) -> list[dict[str, Any]]:
-        if not self.job.include_usage:
-            return []
-        return [{**self._envelope("text_completion", []), "usage": openai_usage(usage)}]
+        return self._chunk(choice)
 
     def _logprobs(self, index: int, entries: list[LogprobEntry]) -> dict[str, Any]:
         """Legacy completions logprobs; `text_offset` indexes into the choice's returned text."""
@@ -146,8 +161,11 @@ class CompletionRenderer(Renderer):
         }
 
 
-class ChatRenderer(Renderer):
+class ChatRenderer(OpenAIRenderer):
     """OpenAI /v1/chat/completions (`chat.completion` and `chat.completion.chunk`)."""
+
+    response_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
 
     def __init__(self, job: Job, version: str) -> None:
         super().__init__(job, version)
@@ -165,7 +183,7 @@ class ChatRenderer(Renderer):
             }
             for i in range(self.job.num_choices)
         ]
-        return {**self._envelope("chat.completion", choices), "usage": openai_usage(usage)}
+        return self._response(choices, usage)
 
     def chunk(self, delta: ChoiceDelta) -> dict[str, Any]:
         message: dict[str, Any] = {"content": delta.text}
@@ -182,15 +200,7 @@ class ChatRenderer(Renderer):
             "logprobs": _chat_logprobs(delta.logprobs or []) if self.job.logprobs is not None else None,
             "finish_reason": delta.finish_reason,
         }
-        body = self._envelope("chat.completion.chunk", [choice])
-        if self.job.include_usage:
-            body["usage"] = None
-        return body
-
-    def final_chunks(self, usage: Usage) -> list[dict[str, Any]]:
-        if not self.job.include_usage:
-            return []
-        return [{**self._envelope("chat.completion.chunk", []), "usage": openai_usage(usage)}]
+        return self._chunk(choice)
 
 
 class WorkersAIRenderer(Renderer):
