@@ -69,7 +69,7 @@ from serve_vs_llamacpp import Workload, _refuse_fallback, bench_level, llama_ver
 from edgeinfer.bench.cli import discover_model  # noqa: E402
 from edgeinfer.bench.datasets import WORDS  # noqa: E402
 from edgeinfer.bench.metrics import Distribution, Summary  # noqa: E402
-from edgeinfer.bench.process import ServerProcess  # noqa: E402
+from edgeinfer.bench.process import ServerProcess, start_server  # noqa: E402
 
 DOCS = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results"
@@ -407,32 +407,16 @@ def timed_server(
     argv: list[str], port: int, health: str, log: Path, timeout_s: float, env: dict[str, str] | None = None
 ) -> Iterator[tuple[ServerProcess, Start]]:
     """Start `argv`; time it to `health` answering 200 and to one answered completion; VmHWM after that."""
-    log.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-    server = ServerProcess(process, url, log)
+    server = start_server(argv, url, log, health, timeout_s, env, poll_s=0.02)
     try:
+        ready = time.perf_counter() - t0
+        model = discover_model(url, None)
         with httpx.Client(timeout=timeout_s) as client:
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"{argv[0]} exited with {process.returncode}; log tail:\n{_tail(log)}")
-                if time.perf_counter() - t0 > timeout_s:
-                    raise RuntimeError(
-                        f"{argv[0]} not ready after {timeout_s:.0f} s; log tail:\n{_tail(log)}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(url + health, timeout=1.0).status_code == 200:
-                        break
-                time.sleep(0.02)
-            ready = time.perf_counter() - t0
-            model = discover_model(url, None)
             client.post(url + "/v1/completions", json={"model": model, **FIRST_REQUEST}).raise_for_status()
-            answered = time.perf_counter() - t0
-        yield server, Start(ready, answered, peak_rss_mib(process.pid))
+        answered = time.perf_counter() - t0
+        yield server, Start(ready, answered, peak_rss_mib(server.process.pid))
     finally:
         server.stop()
 

@@ -23,7 +23,6 @@ import os
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ import peers  # noqa: E402
 import serve_report  # noqa: E402
 from docs_table import replace_section  # noqa: E402
 
-from edgeinfer.bench.process import ServerProcess  # noqa: E402
+from edgeinfer.bench.process import start_server  # noqa: E402
 from edgeinfer.engine.model.loader.default_model import DEFAULT_MODEL, resolve_default_model  # noqa: E402
 
 DOCS = REPO / "docs" / "benchmarks.md"
@@ -69,36 +68,16 @@ def timed_start(
     argv: list[str], url: str, health: str, env: dict[str, str], log: Path, timeout_s: float
 ) -> Start:
     """Start `argv`, poll `health` every 20 ms until 200, send one completion, stop; times from the spawn."""
-    log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-    server = ServerProcess(process, url, log)
+    server = start_server(argv, url, log, health, timeout_s, env, poll_s=0.02)
     try:
+        ready = time.perf_counter() - t0
         with httpx.Client(timeout=timeout_s) as client:
-            ready = _wait_ready(client, server, health, t0, timeout_s)
             reply = client.post(url + "/v1/completions", json={"model": "gemma-3-270m", **PROMPT})
             reply.raise_for_status()
             return Start(ready, time.perf_counter() - t0)
     finally:
         server.stop()
-
-
-def _wait_ready(
-    client: httpx.Client, server: ServerProcess, health: str, t0: float, timeout_s: float
-) -> float:
-    while time.perf_counter() - t0 < timeout_s:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"server exited early; log tail:\n{server.log_tail()}")
-        try:
-            if client.get(server.base_url + health, timeout=1.0).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.02)
-    raise RuntimeError(f"not ready after {timeout_s:.0f} s; log tail:\n{server.log_tail()}")
 
 
 def our_starts(config: str, port: int, threads: int, timeout_s: float) -> Iterator[Start]:

@@ -61,8 +61,10 @@ def start_server(
     health_path: str = "/health",
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
+    poll_s: float = 0.25,
 ) -> ServerProcess:
-    """Launch `argv` in a new process group and block until GET `base_url + health_path` returns 200.
+    """Launch `argv` in a new process group and block until GET `base_url + health_path` returns 200,
+    asking every `poll_s` (start-time benchmarks poll often, so the wait adds little to what they time).
 
     Raises ServerStartError (after killing the process) if it exits early or is not healthy within
     `timeout_s`.
@@ -74,14 +76,14 @@ def start_server(
         )
     server = ServerProcess(process=process, base_url=base_url.rstrip("/"), log_path=log_path)
     try:
-        _wait_healthy(server, health_path, timeout_s)
+        _wait_healthy(server, health_path, timeout_s, poll_s)
     except BaseException:
         server.stop()
         raise
     return server
 
 
-def _wait_healthy(server: ServerProcess, health_path: str, timeout_s: float) -> None:
+def _wait_healthy(server: ServerProcess, health_path: str, timeout_s: float, poll_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     url = server.base_url + health_path
     while time.monotonic() < deadline:
@@ -94,7 +96,7 @@ def _wait_healthy(server: ServerProcess, health_path: str, timeout_s: float) -> 
             # A loading server may answer 503 until the model is ready; only 200 counts.
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return
-        time.sleep(0.25)
+        time.sleep(poll_s)
     tail = server.log_tail()
     raise ServerStartError(f"server not healthy at {url} after {timeout_s:.0f} s; log tail:\n{tail}")
 
