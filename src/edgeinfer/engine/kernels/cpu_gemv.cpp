@@ -599,6 +599,20 @@ TileFn pick_tile(int64_t mb, int64_t g, Path path) {
   }
 }
 
+// One weight tile (16 output columns from `col`) against activation rows [m_begin, m_end), in blocks of
+// kRowBlock rows: the same blocks, so the same sums, wherever the rows sit in `a`. Writes out[m * n + col + r].
+template <typename Out>
+void tile_rows(TileFn full, int64_t group, Path path, const uint8_t* ct, const uint16_t* st, const uint16_t* zt,
+               int64_t k, const ActGroups& a, int64_t m_begin, int64_t m_end, int64_t n, int64_t col, Out* out) {
+  float buf[kRowBlock * kTile];
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kRowBlock) {
+    const int64_t mb = std::min(kRowBlock, m_end - m0);
+    (mb == kRowBlock ? full : pick_tile(mb, group, path))(ct, st, zt, k, a, m0, buf);
+    for (int64_t m = 0; m < mb; ++m)
+      for (int64_t r = 0; r < kTile; ++r) out[(m0 + m) * n + col + r] = static_cast<Out>(buf[m * kTile + r]);
+  }
+}
+
 }  // namespace
 
 namespace edgeinfer_cpu {
@@ -630,24 +644,12 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const Path path = int_path();
   const TileFn full = pick_tile(kRowBlock, group, path);  // checks the group size before the threads start
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
-    float buf[kRowBlock * kTile];
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t m0 = 0; m0 < m_rows; m0 += kRowBlock) {
-        const int64_t mb = std::min(kRowBlock, m_rows - m0);
-        const TileFn tile = mb == kRowBlock ? full : pick_tile(mb, group, path);
-        const uint8_t* ct = cp + t * (k / kSlab) * 64;
-        const uint16_t* st = sp + t * ng * kTile;
-        const uint16_t* zt = zp + t * ng * kTile;
-        tile(ct, st, zt, k, a, m0, buf);
-        for (int64_t m = 0; m < mb; ++m) {
-          for (int64_t r = 0; r < kTile; ++r) {
-            const float v = buf[m * kTile + r];
-            const int64_t o = (m0 + m) * n + t * kTile + r;
-            if (of) of[o] = v;
-            else ob[o] = at::BFloat16(v);
-          }
-        }
-      }
+      const uint8_t* ct = cp + t * (k / kSlab) * 64;
+      const uint16_t* st = sp + t * ng * kTile;
+      const uint16_t* zt = zp + t * ng * kTile;
+      if (of) tile_rows(full, group, path, ct, st, zt, k, a, 0, m_rows, n, t * kTile, of);
+      else tile_rows(full, group, path, ct, st, zt, k, a, 0, m_rows, n, t * kTile, ob);
     }
   });
   return out;
@@ -681,22 +683,14 @@ at::Tensor int4_gemv_grouped(const at::Tensor& x, const at::Tensor& codes, const
   const int64_t codes_per_expert = tiles * (k / kSlab) * 64, groups_per_expert = tiles * ng * kTile;
   const Path path = int_path();
   const TileFn full = pick_tile(kRowBlock, group, path);
-  // every (expert, tile) in one parallel region; within a unit, the expert's rows in blocks as int4_gemv
-  // takes them, so each row comes out as int4_gemv computes it
+  // every (expert, tile) in one parallel region; within a unit, the expert's rows as int4_gemv takes them
   const int64_t units = static_cast<int64_t>(used.size()) * tiles;
   at::parallel_for(0, units, 16, [&](int64_t u0, int64_t u1) {
-    float buf[kRowBlock * kTile];
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t e = used[u / tiles], t = u % tiles;
-      const uint8_t* ct = cp + e * codes_per_expert + t * (k / kSlab) * 64;
-      const uint16_t* st = sp + e * groups_per_expert + t * ng * kTile;
-      const uint16_t* zt = zp + e * groups_per_expert + t * ng * kTile;
-      for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += kRowBlock) {
-        const int64_t mb = std::min(kRowBlock, start[e + 1] - m0);
-        (mb == kRowBlock ? full : pick_tile(mb, group, path))(ct, st, zt, k, a, m0, buf);
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t r = 0; r < kTile; ++r) ob[(m0 + m) * n + t * kTile + r] = at::BFloat16(buf[m * kTile + r]);
-      }
+      tile_rows(full, group, path, cp + e * codes_per_expert + t * (k / kSlab) * 64,
+                sp + e * groups_per_expert + t * ng * kTile, zp + e * groups_per_expert + t * ng * kTile, k, a,
+                start[e], start[e + 1], n, t * kTile, ob);
     }
   });
   return out;
