@@ -130,11 +130,8 @@ ExpertStack::ExpertStack(const step::Tensors& t, const step::Numbers& c, const s
 }
 
 at::Tensor ExpertStack::operator()(const at::Tensor& rows, int64_t e, const step::Limits& lim) const {
-  if (weight.defined()) {
-    const at::Tensor w = weight.select(0, e);
-    return rows.size(0) > lim.gemv_rows ? at::linear(rows, w) : bf16_gemv(rows, w);
-  }
-  return int4_gemv(rows.contiguous(), codes.select(0, e), scales.select(0, e), zero_terms.select(0, e), group);
+  const at::Tensor w = weight.select(0, e);
+  return rows.size(0) > lim.gemv_rows ? at::linear(rows, w) : bf16_gemv(rows, w);
 }
 
 at::Tensor ExpertStack::grouped(const at::Tensor& x, const std::vector<int64_t>& start) const {
@@ -185,6 +182,7 @@ MoeBlock::MoeBlock(step::Tensors t, step::Numbers c) {
   down_ = ExpertStack(t, c, "down");
   const int64_t experts = router_.weight.size(0);
   TORCH_CHECK(gate_up_.experts() == experts && down_.experts() == experts, "MoeBlock: experts and router differ");
+  TORCH_CHECK(gate_up_.int4() == down_.int4(), "MoeBlock: both expert stacks must be bf16, or both int4");
   TORCH_CHECK(router_.top_k > 0 && router_.top_k <= experts && experts % router_.n_group == 0 &&
                   router_.topk_group <= router_.n_group,
               "MoeBlock: bad top_k or groups");
@@ -221,7 +219,7 @@ void MoeBlock::int4_experts(const at::Tensor& x, const std::vector<int64_t>& sta
   for (int64_t i = 0; i < n; ++i) std::memcpy(po + pairs[i] * h, yb + i * h, h * sizeof(uint16_t));
 }
 
-// Any other experts: each chosen expert over all its rows at once, through ExpertStack's products.
+// bf16 experts: each chosen expert over all its rows at once (bf16_gemv, or torch's GEMM for many rows).
 void MoeBlock::each_expert(const at::Tensor& x, const std::vector<int64_t>& start, const std::vector<int64_t>& pairs,
                            at::Tensor& pair_out) const {
   const int64_t k = router_.top_k, h = x.size(1);
@@ -255,7 +253,7 @@ at::Tensor MoeBlock::experts(const at::Tensor& x, const at::Tensor& weights, con
   for (int64_t p = 0; p < t * k; ++p) pairs[cursor[id[p]]++] = p;
   at::Tensor pair_out = at::empty({t * k, h}, x.options());
   auto* po = reinterpret_cast<uint16_t*>(pair_out.data_ptr<at::BFloat16>());
-  if (gate_up_.int4() && down_.int4())
+  if (gate_up_.int4())
     int4_experts(x, start, pairs, pair_out);
   else
     each_expert(x, start, pairs, pair_out);

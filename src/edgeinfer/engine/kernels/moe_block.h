@@ -22,7 +22,7 @@ struct ExpertStack {
   ExpertStack() = default;
   ExpertStack(const step::Tensors& t, const step::Numbers& c, const std::string& name);
   int64_t experts() const { return weight.defined() ? weight.size(0) : codes.size(0); }
-  // rows [n, K] (bf16) @ expert e's weight^T -> [n, N] bf16
+  // bf16 only: rows [n, K] @ expert e's weight^T -> [n, N] bf16
   at::Tensor operator()(const at::Tensor& rows, int64_t e, const step::Limits& lim) const;
   bool int4() const { return codes.defined(); }
   // int4 only: rows start[e] .. start[e + 1] of x [R, K] (bf16, contiguous) @ expert e's weight^T -> [R, N]
