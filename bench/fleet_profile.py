@@ -26,6 +26,7 @@ import torch
 
 from edgeinfer.engine.config import DEFAULT_MODEL, EngineConfig
 from edgeinfer.engine.engine import LLMEngine
+from edgeinfer.engine.runtime import start_runtime
 from edgeinfer.types import EngineRequest, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -46,9 +47,9 @@ _clock = time.process_time
 
 def load(variant: str, model: str = DEFAULT_MODEL) -> tuple[LLMEngine, float]:
     started = _clock()
+    start_runtime(threads=1)  # one node = one core (the default is every core)
     config = EngineConfig(
         model=model,
-        threads=1,  # one node = one core (the engine's default is every core)
         batch_window_ms=0,
         enable_prefix_caching=False,
         max_num_batched_tokens=16384,

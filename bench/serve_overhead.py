@@ -49,9 +49,11 @@ def in_process(threads: int, seed: int, input_len: int, output_len: int) -> dict
     """Runs in the child: load the engine, step one request, report prefill and decode step times."""
     from edgeinfer.engine.config import EngineConfig
     from edgeinfer.engine.engine import LLMEngine
+    from edgeinfer.engine.runtime import start_runtime
     from edgeinfer.types import EngineRequest, SamplingParams
 
-    engine = LLMEngine(EngineConfig(threads=threads, batch_window_ms=0))
+    start_runtime(threads)
+    engine = LLMEngine(EngineConfig(batch_window_ms=0))
     sampling = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     engine.generate([prompt_ids(seed + 1000, input_len)], sampling)  # warm-up: first-use costs
     engine.add_request(EngineRequest("r", prompt_ids(seed, input_len), sampling, arrival_time=engine.clock()))

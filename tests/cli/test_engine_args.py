@@ -45,7 +45,6 @@ EXPECTED = EngineConfig(
     compile=True,
     prepared_cache=False,
     cache_dir="/tmp/edgeinfer-cache",
-    threads=3,
 )
 UNCALIBRATED = ["--quantization", "int8", "--no-calibrate"]
 # Fields no engine flag sets: the model (serve names a pool of them), the KV layout and pool size (tests and
@@ -74,6 +73,13 @@ def test_every_engine_command_builds_the_same_config_from_the_same_flags(command
     assert _config(command, FLAGS) == EXPECTED
     assert _config(command, UNCALIBRATED) == EngineConfig(quantization="int8", calibrate_quantization=False)
     assert _config(command, []) == EngineConfig()  # the defaults are EngineConfig's
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "eval"])
+def test_threads_is_the_runtimes_flag_in_every_engine_command(command: str) -> None:
+    """`--threads` is process-wide: it starts the runtime (engine/runtime.py), no engine's config."""
+    argv = [command, *(["--prompt", "x"] if command == "generate" else []), "--threads", "3"]
+    assert build_parser(argv).parse_args(argv).threads == 3
 
 
 def _changed(config: EngineConfig) -> set[str]:

@@ -1,4 +1,4 @@
-"""The engine's thread count (`threads`, `--threads`): applied at construction, every core by default."""
+"""The process's thread count (`start_runtime`, `--threads`): applied at start, every core by default."""
 
 from __future__ import annotations
 
@@ -15,19 +15,21 @@ import torch
 from edgeinfer.engine.async_engine import STEP_THREAD_NAME, AsyncLLMEngine
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
-from edgeinfer.engine.threads import available_cores, run_in_own_thread, use_threads
+from edgeinfer.engine.runtime import runtime, start_runtime
+from edgeinfer.engine.threads import available_cores, run_in_own_thread
 
 
 @pytest.fixture
 def restore_threads():
-    before = torch.get_num_threads()
+    before = runtime()
     yield
-    torch.set_num_threads(before)
+    start_runtime(before.threads, before.kernels)
 
 
-def test_the_engine_sets_its_thread_count_and_its_step_thread_follows(tiny_llama, restore_threads):
-    LLMEngine(EngineConfig(model=tiny_llama, threads=1, num_kv_blocks=16))
-    assert torch.get_num_threads() == 1
+def test_the_runtime_sets_the_thread_count_and_an_engines_step_thread_follows(tiny_llama, restore_threads):
+    start_runtime(threads=1)
+    engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=16))
+    assert torch.get_num_threads() == 1 and engine.runtime.threads == 1
     seen = []
 
     def step_thread() -> None:  # as the async engine's loop: a thread of its own running ops
@@ -42,12 +44,19 @@ def test_the_engine_sets_its_thread_count_and_its_step_thread_follows(tiny_llama
 
 def test_the_default_is_every_available_core(restore_threads):
     torch.set_num_threads(1)
-    assert use_threads(None) == available_cores() == torch.get_num_threads()
+    assert start_runtime().threads == available_cores() == torch.get_num_threads()
+
+
+def test_engines_leave_the_thread_count_as_the_runtime_has_it(tiny_llama, restore_threads):
+    start_runtime(threads=1)
+    LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=16))
+    LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=16))  # a second model in the same process
+    assert torch.get_num_threads() == 1
 
 
 def test_zero_threads_is_refused():
     with pytest.raises(ValueError, match="threads"):
-        EngineConfig(threads=0)
+        start_runtime(threads=0)
 
 
 def test_serve_refuses_zero_threads_in_one_line(tiny_llama, capsys):

@@ -13,6 +13,7 @@ from edgeinfer.engine.model.moe import MoeSpec, SparseMoeBlock
 from edgeinfer.engine.model.routing import RouterSpec
 from edgeinfer.engine.quant.experts import QuantizedExperts
 from edgeinfer.engine.quant.layers import PreparedModule
+from edgeinfer.engine.runtime import runtime
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +39,8 @@ def _block(router: str, shared: bool, seed: int = 0) -> SparseMoeBlock:
     block = block.to(torch.bfloat16)
     if ROUTERS[router].scoring == "sigmoid":  # HF keeps sigmoid routers in fp32
         block.gate.float()
-    use_bf16_gemv(block)  # the shared expert's linears, as a bf16 model's load leaves them
+    # the shared expert's linears, as a bf16 model's load leaves them
+    use_bf16_gemv(block)
     return block.eval().requires_grad_(False)
 
 
@@ -63,7 +65,7 @@ def test_the_kernel_block_computes_the_torch_block(router: str, shared: bool, fo
         block = _int4(block)
     x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     expected = block(x)
-    assert block.use_kernel()
+    assert block.use_kernel(runtime().kernels)
     got = block(x)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     # the same experts chosen and the same roundings: outputs agree to a bf16 step or two
@@ -79,7 +81,7 @@ def test_a_token_is_computed_alike_in_any_batch(router: str, form: str) -> None:
     block = _block(router, shared=True, seed=1)
     if form == "int4":
         block = _int4(block)
-    assert block.use_kernel()
+    assert block.use_kernel(runtime().kernels)
     x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     together = block(x)
     alone = torch.cat([block(x[i : i + 1]) for i in range(len(x))])

@@ -14,8 +14,8 @@ import torch
 from edgeinfer.engine import kernels
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
-from edgeinfer.engine.kernels import bf16
-from edgeinfer.engine.kernels.bf16 import GemvLinear, _gemv_rows
+from edgeinfer.engine.kernels.bf16 import GemvLinear
+from edgeinfer.engine.kernels.limits import KernelLimits
 from edgeinfer.engine.loading import parse_quantization, uses_cpu_gemv
 from edgeinfer.engine.quant import QuantLinear
 from edgeinfer.types import SamplingParams
@@ -171,10 +171,9 @@ def test_fp32_models_never_start_the_build(tiny_models, monkeypatch):
     assert not uses_cpu_gemv(_engine(tiny_models["llama"], None, "float32").model)
 
 
-def test_gemv_linear_keeps_torch_for_wide_inputs(ops, monkeypatch):
-    monkeypatch.setattr(bf16, "GEMV_ROWS", 4)  # where the CPU has a limit (AMX: 2, AVX-512: 16, AVX2: 4)
+def test_gemv_linear_keeps_torch_for_wide_inputs(ops):
     lin = torch.nn.Linear(64, 48, bias=True, dtype=torch.bfloat16)
-    fast = GemvLinear.from_linear(lin)
+    fast = GemvLinear.from_linear(lin, max_rows=4)  # a CPU's limit (AMX: 2, AVX-512: 16, AVX2: 4)
     x = _bf16(5, 64, seed=3)
     assert not fast.uses_kernel(x) and torch.equal(fast(x), lin(x))
     one = x[:1]
@@ -184,6 +183,10 @@ def test_gemv_linear_keeps_torch_for_wide_inputs(ops, monkeypatch):
 
 def test_bf16_decode_products_take_the_kernel_up_to_the_default_batch_where_it_has_tiles():
     base = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})
-    assert _gemv_rows(base | {"avx512_bf16"}) == EngineConfig().max_num_seqs == 64
-    assert _gemv_rows(base | {"avx512_bf16", "amx_bf16"}) == 2  # oneDNN's AMX GEMM from 4 rows
-    assert _gemv_rows(base) == 16 and _gemv_rows(frozenset({"avx2", "fma"})) == 4
+
+    def rows(flags: frozenset[str]) -> int:
+        return KernelLimits.for_flags(flags).bf16_gemv_rows
+
+    assert rows(base | {"avx512_bf16"}) == EngineConfig().max_num_seqs == 64
+    assert rows(base | {"avx512_bf16", "amx_bf16"}) == 2  # oneDNN's AMX GEMM from 4 rows
+    assert rows(base) == 16 and rows(frozenset({"avx2", "fma"})) == 4

@@ -13,8 +13,8 @@ from edgeinfer.engine.attention.storage import KVCacheStorage, KVSpec
 from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
-from edgeinfer.engine.model.layers import kernel_ops
-from edgeinfer.engine.model.layers.kernel_ops import EVERY_INPUT, _max_elements, takes_kernel
+from edgeinfer.engine.kernels.limits import EVERY_INPUT, KernelLimits
+from edgeinfer.engine.model.layers.kernel_ops import takes_kernel
 from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
 from edgeinfer.types import SamplingParams
@@ -37,7 +37,7 @@ def test_rms_norm_rounds_as_the_torch_norm(level, unit_offset, shape):
         norm.weight.copy_(_bf16(shape[-1], seed=1) * 0.3)
     x = _bf16(*shape, seed=2) * 4
     eager = norm(x)
-    norm.kernel = True
+    norm.kernel_elements = EVERY_INPUT
     fast = norm(x)
     assert fast.shape == eager.shape and fast.dtype == torch.bfloat16
     # the fp32 sum of squares in another order moves a result by at most one bf16 step, and rarely
@@ -142,7 +142,7 @@ def test_models_on_our_kernels_decode_through_the_ops_alike(ops, tiny_models):
         plain = LLMEngine(EngineConfig(model=tiny_models[family], cpu_gemv=False, num_kv_blocks=64))
         fast = LLMEngine(EngineConfig(model=tiny_models[family], num_kv_blocks=64))
         assert fast.runner.backend.decode_ops and not plain.runner.backend.decode_ops
-        assert all(m.kernel for m in fast.model.modules() if isinstance(m, RMSNorm))
+        assert all(m.kernel_elements for m in fast.model.modules() if isinstance(m, RMSNorm))
         (a,), (b,) = plain.generate(prompt, sp), fast.generate(prompt, sp)
         for ta, tb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert tb.logprob == pytest.approx(ta.logprob, abs=0.05), family
@@ -158,7 +158,7 @@ def test_rope_rounds_as_the_torch_rotation(level, interleaved, rotary_dim):
     positions = torch.tensor([0, 5, 77])
     q, k = _bf16(3, 4, 64, seed=6), _bf16(3, 2, 64, seed=7)
     eager = rope(positions, q, k)
-    rope.kernel, rope._step_cache = True, None
+    rope.kernel_elements, rope._step_cache = EVERY_INPUT, None
     fast = rope(positions, q, k)
     for a, b in zip(eager, fast, strict=True):
         assert torch.equal(a, b)  # elementwise: the same roundings in the same order
@@ -183,19 +183,19 @@ def test_gated_act_rounds_as_the_torch_ops(ops, level, act, rows):
     assert (fast != eager).float().mean() < 0.05
 
 
-def test_inputs_past_the_size_limit_keep_the_torch_ops(ops, monkeypatch):
-    monkeypatch.setattr(kernel_ops, "MAX_ELEMENTS", 16_384)  # the limit without AVX-512
+def test_inputs_past_the_size_limit_keep_the_torch_ops(ops):
     norm = RMSNorm(640, 1e-6, True).to(torch.bfloat16)
     x = _bf16(16_384 // 640 + 1, 640, seed=9)  # a prefill chunk: torch's parallel kernels win there
     eager = norm(x)
-    norm.kernel = True
+    norm.kernel_elements = 16_384  # the limit without AVX-512
     assert not takes_kernel(norm, x) and takes_kernel(norm, x[:1])
     assert torch.equal(norm(x), eager)
 
 
 def test_every_input_takes_the_kernels_where_they_have_avx512():
-    assert _max_elements(frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})) == EVERY_INPUT
-    assert _max_elements(frozenset({"avx2", "fma"})) == 16_384
+    avx512 = KernelLimits.for_flags(frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}))
+    assert avx512.decode_op_elements == EVERY_INPUT
+    assert KernelLimits.for_flags(frozenset({"avx2", "fma"})).decode_op_elements == 16_384
 
 
 @pytest.mark.parametrize("window", [0, 20])

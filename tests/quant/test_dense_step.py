@@ -8,9 +8,8 @@ import torch
 from helpers.fused_step import assert_fused_step_decodes_as_eager, bf16_engine, greedy_answers
 
 from edgeinfer.engine import kernels
-from edgeinfer.engine.kernels import bf16
-from edgeinfer.engine.model import fused_decode
-from edgeinfer.engine.model.layers import kernel_ops
+from edgeinfer.engine.kernels.limits import KernelLimits
+from edgeinfer.engine.runtime import runtime, start_runtime
 
 # the second spans two KV blocks of 16; together they make decode steps of 4 sequences
 PROMPTS = [[3, 14, 15, 92, 65], list(range(4, 26)), [7] * 9, list(range(100, 140))]
@@ -18,18 +17,14 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(params=["default", "narrow"])
-def limits(request, monkeypatch) -> str:
+def limits(request):
     """The eager path's limits as they are, or so small that a batch of 4 crosses both: products of more
     than one row go to torch's GEMM, inputs of more than 64 values to torch's norm and rotation."""
+    before = runtime()
     if request.param == "narrow":
-        for module, name, value in (
-            (bf16, "GEMV_ROWS", 1),
-            (fused_decode, "GEMV_ROWS", 1),
-            (kernel_ops, "MAX_ELEMENTS", 64),
-            (fused_decode, "MAX_ELEMENTS", 64),
-        ):
-            monkeypatch.setattr(module, name, value)
-    return request.param
+        start_runtime(before.threads, KernelLimits(bf16_gemv_rows=1, decode_op_elements=64))
+    yield request.param
+    start_runtime(before.threads, before.kernels)
 
 
 @pytest.mark.parametrize("quantization", [None, "int4"], ids=["bf16", "int4"])
@@ -51,7 +46,8 @@ def test_models_outside_the_kernels_keep_the_eager_step(ops, tiny_models):
 
 
 def test_fused_step_refuses_inputs_it_cannot_run(ops):
-    step = torch.classes.edgeinfer_cpu.DenseDecodeStep(bf16.GEMV_ROWS, kernel_ops.MAX_ELEMENTS)
+    limits = runtime().kernels
+    step = torch.classes.edgeinfer_cpu.DenseDecodeStep(limits.bf16_gemv_rows, limits.decode_op_elements)
     with pytest.raises(RuntimeError, match="no tensor 'input_norm'"):
         step.add_layer({}, {})
     with pytest.raises(RuntimeError, match="bf16"):

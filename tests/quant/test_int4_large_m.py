@@ -16,6 +16,7 @@ import torch
 
 from edgeinfer.engine.quant import QuantLinear, get_weight_method
 from edgeinfer.engine.quant import int4 as int4_mod
+from edgeinfer.engine.runtime import runtime
 
 LARGE_M = int4_mod._DEQUANT_MIN_TOKENS
 
@@ -46,7 +47,7 @@ def make_layer(out: int, inp: int, group: int = 128, seed: int = 0) -> tuple[Qua
 
 
 def test_packing_layout_is_recognised():
-    assert int4_mod._pack_layout() is not None
+    assert runtime().int4_pack is not None
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -75,7 +76,8 @@ def test_rows_not_a_multiple_of_the_packing_block_keep_the_fused_kernel():
 _OTHER_CPU_SCRIPT = """
 import torch
 from edgeinfer.engine.quant import QuantLinear, int4
-assert int4._pack_layout() is not None, "packing not recognised"
+from edgeinfer.engine.runtime import runtime
+assert runtime().int4_pack is not None, "packing not recognised"
 layer = QuantLinear.from_float(torch.randn(128, 256) * 0.05, None, "int4")
 x = torch.randn(int4._DEQUANT_MIN_TOKENS, 256)
 assert layer.kernel_for(x.shape[0]) == "dequant"

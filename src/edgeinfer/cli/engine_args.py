@@ -1,7 +1,8 @@
 """The engine flags, declared once. Every command that builds an engine (`serve`, `generate`, `eval`) adds
 them with `add_engine_arguments` and turns what was parsed into an `EngineConfig` with `engine_config`, so
-the same flags mean the same engine everywhere. Their defaults are EngineConfig's own; what each setting
-does is documented on its field (engine/config.py).
+the same flags mean the same engine everywhere; the process-wide one (`--threads`) starts the process's
+runtime with `start_runtime_for`, before any model loads. Their defaults are EngineConfig's own; what
+each setting does is documented on its field (engine/config.py).
 
 Torch-free: parsing the flags of `serve` or `generate` (or `--help`) loads no torch.
 """
@@ -79,8 +80,14 @@ def engine_config(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Engin
         compile=args.compile,
         prepared_cache=args.prepared_cache,
         cache_dir=args.cache_dir,
-        threads=args.threads,
     )
+
+
+def start_runtime_for(args: argparse.Namespace) -> None:
+    """Start the process's runtime from the flags (engine/runtime.py): once, before any model loads."""
+    from edgeinfer.engine.runtime import start_runtime
+
+    start_runtime(args.threads)
 
 
 def _add_precision(group: argparse._ActionsContainer) -> None:
@@ -229,6 +236,6 @@ def _add_execution(group: argparse._ActionsContainer) -> None:
     group.add_argument(
         "--threads",
         type=int,
-        default=_DEFAULTS.threads,
+        default=None,
         help="threads for the ops, process-wide (default: every core this process may run on)",
     )

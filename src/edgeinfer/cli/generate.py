@@ -6,7 +6,12 @@ import argparse
 import sys
 import uuid
 
-from edgeinfer.cli.engine_args import add_engine_arguments, add_model_argument, engine_config
+from edgeinfer.cli.engine_args import (
+    add_engine_arguments,
+    add_model_argument,
+    engine_config,
+    start_runtime_for,
+)
 from edgeinfer.types import EngineRequest, SamplingParams
 
 
@@ -33,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     config = engine_config(args, args.model)
+    start_runtime_for(args)
     from edgeinfer.engine.engine import LLMEngine
 
     engine = LLMEngine(config)

@@ -105,9 +105,6 @@ class EngineConfig:
     # Where the prepared-form cache, compiled graphs and kernel builds live; None: $EDGEINFER_CACHE_DIR,
     # else ~/.cache/edgeinfer.
     cache_dir: str | None = None
-    # Threads for torch's ops and our kernels (process-wide: every engine of a process shares them).
-    # None: every core this process may run on (threads.py says why that is the default).
-    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -133,8 +130,6 @@ class EngineConfig:
                 "cpu_gemv needs int8, int4 or bf16 weights on CPU: quantization int8 or int4 (for a "
                 "quantized checkpoint too) or dtype bfloat16 / auto without quantization, device cpu"
             )
-        if self.threads is not None and self.threads < 1:
-            raise ValueError("threads must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")
         check_name(ATTENTION_BACKENDS, self.attention_backend, "attention backend")

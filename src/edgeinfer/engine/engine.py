@@ -26,8 +26,8 @@ from edgeinfer.engine.output_processor import OutputProcessor
 from edgeinfer.engine.public_prefix import public_token_ids
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.runner import ModelRunner, RunnerOutput
+from edgeinfer.engine.runtime import runtime
 from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, SchedulingPolicy
-from edgeinfer.engine.threads import use_threads
 from edgeinfer.engine.tokenizer import Tokenizer
 from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from edgeinfer.types.validation import check_prompt
@@ -68,7 +68,7 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.device = torch.device(config.device)
-        use_threads(config.threads)
+        self.runtime = runtime()
         ckpt = open_checkpoint(config.model)
         self.checkpoint = ckpt
         self.model_config = ckpt.config
@@ -120,7 +120,7 @@ class LLMEngine:
             vocab_limit=self.tokenizer.vocab_size,
             compile=config.compile,
             guidance_tokenizer=guidance,
-            decode_ops=uses_cpu_gemv(self.model),
+            decode_ops=self.runtime.kernels if uses_cpu_gemv(self.model) else None,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -215,7 +215,9 @@ def _use_cpu_gemv(model: nn.Module, required: bool) -> None:
             log.warning("%s; the layers keep torch's kernels", e)
             return
         raise ValueError(f"cpu_gemv: {e}") from None
-    switched = sum(m.use_cpu_gemv() for m in layers) + (use_bf16_gemv(model) if float_layers else 0)
+    switched = sum(m.use_cpu_gemv() for m in layers)
+    if float_layers:
+        switched += use_bf16_gemv(model)
     if not switched and required:
         raise ValueError("cpu_gemv: no layer of this model has a form the CPU GEMV kernels read")
     log.info("CPU GEMV kernels (%s): %d layers and expert stacks", ops.isa(), switched)

@@ -1,9 +1,10 @@
-"""How many threads the engine's ops use.
+"""Threads: how many the engine's ops use (runtime.py sets it), OS names, one-off work in a thread.
 
-The default is every core the process may run on (its CPU affinity, so a container's or `taskset`'s limit
-counts). A decode step is bound by how fast the weights stream from memory; on the CPUs measured one
-core does not saturate the memory bus, so the bandwidth-bound products (the lm_head above all) gain
-from a second thread, and our kernels split only products big enough to repay it (kernels/bf16_gemv.cpp).
+The default thread count is every core the process may run on (its CPU affinity, so a container's or
+`taskset`'s limit counts). A decode step is bound by how fast the weights stream from memory; on the
+CPUs measured one core does not saturate the memory bus, so the bandwidth-bound products (the lm_head
+above all) gain from a second thread, and our kernels split only products big enough to repay it
+(kernels/bf16_gemv.cpp).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch
-
 _PR_SET_NAME = 15  # prctl(2)
 T = TypeVar("T")
 
@@ -29,15 +28,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
-
-
-def use_threads(threads: int | None) -> int:
-    """Set torch's intra-op thread count (None: every available core); returns it. Threads that run
-    ops later (the async engine's step loop) take the same count when they first run one."""
-    n = threads or available_cores()
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
-    return n
 
 
 def name_os_thread(name: str) -> None:

@@ -14,6 +14,7 @@ from edgeinfer.cli.engine_args import (
     add_model_argument,
     engine_config,
     quantization_arg,
+    start_runtime_for,
 )
 from edgeinfer.eval.harness import EvalSettings, run_eval
 
@@ -68,7 +69,9 @@ def settings(args: argparse.Namespace) -> EvalSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = run_eval(settings(args))
+    eval_settings = settings(args)
+    start_runtime_for(args)
+    report = run_eval(eval_settings)
     to_stdout = args.json is not None and str(args.json) == "-"
     # With `--json -` stdout carries only the JSON (for pipes); the table goes to stderr.
     print(report.table(), file=sys.stderr if to_stdout else sys.stdout)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from edgeinfer.api.limits import NodeLimits
 from edgeinfer.api.router_trust import load_secret
-from edgeinfer.cli.engine_args import engine_config
+from edgeinfer.cli.engine_args import engine_config, start_runtime_for
 from edgeinfer.engine.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from edgeinfer.node.cli_flags import add_arguments
 from edgeinfer.node.config import ConnectionLimits, NodeConfig, default_usage_db
@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     specs = build_specs(args)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     _check_local_models(specs, args.quantization)
+    start_runtime_for(args)
     public = parse_public_prefixes(load_table(args.public_prefixes)) if args.public_prefixes else {}
     pool = ModelPool(specs, EngineLoader(engine_config(args), public_prefixes=public), budget_bytes=budget)
     for name in config.preload:

@@ -165,10 +165,6 @@ def _build_dir() -> Path:
     return path
 
 
-# What isa.h's AVX-512 level needs (the base set every AVX-512 kernel targets).
-AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})
-
-
 @cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux's /proc/cpuinfo lists them (empty where it cannot be read), known

@@ -1,17 +1,7 @@
-"""Float models' linear layers through `bf16_gemv` (bf16_gemv.cpp, bf16_tiles.cpp) where it outruns torch.
-
-On AVX-512 CPUs with AVX512-BF16 and no AMX, products of up to 64 rows (every decode step of up to
-`max_num_seqs` = 64 sequences) take the kernel: register tiles of `vdpbf16ps` with the next weight tile
-prefetched into L2 (bf16_tiles.cpp), one summation order per output whatever the row count, so a
-sequence's logits do not depend on the batch it decodes in. There the weight stream is what a product of
-few rows costs, and the tiles keep it at the memory bandwidth where torch's GEMM does not. Wider products
-(prefill) are bound by arithmetic and keep torch's GEMM, which blocks for the caches and is as fast there
-or faster (timings: docs/engine.md § Matmuls on CPU).
-
-Elsewhere the decode-step loops of bf16_gemv.cpp take the few-row products and torch's GEMM the wider ones:
-- with AMX, oneDNN's AMX GEMM overtakes the loops from 4 rows, so up to 2;
-- AVX-512 without BF16 (weights widened to fp32): up to 16; AVX2 only (two activation rows a pass, half
-  the registers): up to 4.
+"""Float models' linear layers through `bf16_gemv` (bf16_gemv.cpp, bf16_tiles.cpp) where it outruns torch:
+products of few rows (decode steps), up to the CPU's limit (limits.py says which), one summation order
+per output whatever the row count, so a sequence's logits do not depend on the batch it decodes in.
+Wider products (prefill) keep torch's GEMM (timings: docs/engine.md § Matmuls on CPU).
 """
 
 from __future__ import annotations
@@ -20,36 +10,30 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from edgeinfer.engine.kernels import AVX512_FLAGS, cpu_flags, ops
-
-
-def _gemv_rows(flags: frozenset[str]) -> int:
-    """Products of up to this many rows take the kernel (module docstring)."""
-    avx512 = flags >= AVX512_FLAGS
-    if "amx_bf16" in flags:
-        return 2
-    if avx512 and "avx512_bf16" in flags:
-        return 64
-    return 16 if avx512 else 4
-
-
-GEMV_ROWS = _gemv_rows(cpu_flags())
+from edgeinfer.engine.kernels import ops
 
 
 class GemvLinear(nn.Linear):
-    """`nn.Linear` whose bf16 products of at most GEMV_ROWS rows run through `bf16_gemv`; it shares the
+    """`nn.Linear` whose bf16 products of at most `max_rows` rows run through `bf16_gemv`; it shares the
     weight (and bias) Parameter of the layer it replaces, so tied weights stay tied."""
 
+    # No product takes the kernel until the engine sets its runtime's limit (model/decode_ops.py). A
+    # class default, so the prepared-form cache does not store it: a cached model takes the limit of the
+    # process that loads it.
+    max_rows: int = 0
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> GemvLinear:
+    def from_linear(cls, linear: nn.Linear, max_rows: int = 0) -> GemvLinear:
         layer = cls(linear.in_features, linear.out_features, bias=False, device="meta")
         layer.weight = linear.weight
         layer.bias = linear.bias
+        if max_rows:
+            layer.max_rows = max_rows
         return layer
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         rows = x.numel() // self.in_features if self.in_features else 0
-        return x.dtype == self.weight.dtype == torch.bfloat16 and 0 < rows <= GEMV_ROWS
+        return x.dtype == self.weight.dtype == torch.bfloat16 and 0 < rows <= self.max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_kernel(x):
@@ -71,8 +55,8 @@ class GemvLinear(nn.Linear):
 
 
 def use_bf16_gemv(model: nn.Module) -> int:
-    """Replace the model's bf16 `nn.Linear` layers (on CPU) by `GemvLinear` in place (call
-    `kernels.load()` first); returns how many."""
+    """Replace the model's bf16 `nn.Linear` layers (on CPU) by `GemvLinear` in place (call `kernels.load()`
+    first); returns how many."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -15,19 +15,24 @@ from __future__ import annotations
 
 from torch import nn
 
+from edgeinfer.engine.kernels.bf16 import GemvLinear
+from edgeinfer.engine.kernels.limits import KernelLimits
 from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
 from edgeinfer.engine.model.moe import SparseMoeBlock
 
-_MODULES = (RMSNorm, RotaryEmbedding, GatedMLP)  # those with a `kernel` switch
+_MODULES = (RMSNorm, RotaryEmbedding, GatedMLP)  # those with a `kernel_elements` switch
 
 
-def use_decode_ops(model: nn.Module) -> None:
+def use_decode_ops(model: nn.Module, limits: KernelLimits) -> None:
     """Turn the ops on for the model's norms, rotary embeddings and gated MLPs, and our one-call MoE block
-    for its sparse MoE blocks (call after `kernels.load()`)."""
+    for its sparse MoE blocks, within this CPU's `limits`, which its bf16 linear layers take too (call
+    after `kernels.load()`)."""
     for module in model.modules():
-        if isinstance(module, _MODULES):
-            module.kernel = True
+        if isinstance(module, GemvLinear):
+            module.max_rows = limits.bf16_gemv_rows
+        elif isinstance(module, _MODULES):
+            module.kernel_elements = limits.decode_op_elements
         elif isinstance(module, SparseMoeBlock):
-            module.use_kernel()
+            module.use_kernel(limits)

@@ -25,11 +25,10 @@ from edgeinfer.engine.attention.metadata import AttentionMetadata
 from edgeinfer.engine.attention.mla import AbsorbLatentAttention
 from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.kernels import ops
-from edgeinfer.engine.kernels.bf16 import GEMV_ROWS
+from edgeinfer.engine.kernels.limits import KernelLimits
 from edgeinfer.engine.model.dense import DecoderLayer, DenseCausalLM
 from edgeinfer.engine.model.kernel_forms import Form, linear_form, prefixed
 from edgeinfer.engine.model.layers.attention import SelfAttention
-from edgeinfer.engine.model.layers.kernel_ops import MAX_ELEMENTS
 from edgeinfer.engine.model.layers.mlp import ACT_CODES
 from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
@@ -56,9 +55,10 @@ class FusedDecode:
         return self.model.model.norm(x)
 
 
-def fused_decode(model: nn.Module, storage: KVCacheStorage) -> FusedDecode | None:
-    """The fused step for `model` over `storage`, or None where some layer needs the eager path. Call
-    after the decode ops are on (`use_decode_ops`): it takes only layers that would run on them."""
+def fused_decode(model: nn.Module, storage: KVCacheStorage, limits: KernelLimits) -> FusedDecode | None:
+    """The fused step for `model` over `storage` (within the eager path's kernel `limits`), or None where
+    some layer needs the eager path. Call after the decode ops are on (`use_decode_ops`): it takes only
+    layers that would run on them."""
     if not _plain_bf16_cache(storage) or not _norm_ok(model.model.norm):
         return None
     if isinstance(model, DenseCausalLM):
@@ -74,7 +74,7 @@ def fused_decode(model: nn.Module, storage: KVCacheStorage) -> FusedDecode | Non
             return None
         layers.append(described)
     # where the eager path hands products to torch's GEMM and small ops to torch's kernels
-    step = ops.dense_decode_step(GEMV_ROWS, MAX_ELEMENTS)
+    step = ops.dense_decode_step(limits.bf16_gemv_rows, limits.decode_op_elements)
     for layer, (tensors, numbers) in zip(model.model.layers, layers, strict=True):
         if isinstance(layer.mlp, SparseMoeBlock):
             step.add_moe_layer(tensors, numbers, layer.mlp.kernel_block)
@@ -112,7 +112,7 @@ def _describe(
         linears = {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
         act = mlp.act_code
     rope = attn.rope
-    if attention is None or act is None or not rope.kernel:
+    if attention is None or act is None or not rope.kernel_elements:
         return None
     parts = _parts(norms, linears)
     if parts is None:
@@ -187,4 +187,4 @@ def _parts(norms: dict[str, nn.Module], linears: dict[str, nn.Module]) -> Form |
 
 
 def _norm_ok(norm: nn.Module) -> bool:
-    return isinstance(norm, RMSNorm) and norm.takes_kernel_weight() and norm.kernel
+    return isinstance(norm, RMSNorm) and norm.takes_kernel_weight() and norm.kernel_elements > 0

@@ -15,10 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgeinfer.engine.kernels import ops
-from edgeinfer.engine.kernels.bf16 import GEMV_ROWS
+from edgeinfer.engine.kernels.limits import KernelLimits
 from edgeinfer.engine.model.kernel_forms import Form, experts_form, linear_form, prefixed
 from edgeinfer.engine.model.layers.activation import get_activation
-from edgeinfer.engine.model.layers.kernel_ops import MAX_ELEMENTS
 from edgeinfer.engine.model.layers.mlp import ACT_CODES, GatedMLP
 from edgeinfer.engine.model.routing import RouterSpec, TopKRouter
 from edgeinfer.engine.quant.base import WeightMethod
@@ -132,17 +131,17 @@ class SparseMoeBlock(nn.Module):
         )
         self.kernel_block: Any = None  # our MoeBlock (kernels.ops.moe_block), once switched on
 
-    def use_kernel(self) -> bool:
+    def use_kernel(self, limits: KernelLimits) -> bool:
         """Run through our MoE block where every weight has a form it reads (bf16, or int4 in the kernel's
         layout; call after `kernels.load()` and after the layers took their kernel forms); False, and
         nothing changed, where some weight has not."""
-        form = self.kernel_form()
+        form = self.kernel_form(limits)
         if form is None:
             return False
         self.kernel_block = ops.moe_block(*form)
         return True
 
-    def kernel_form(self) -> Form | None:
+    def kernel_form(self, limits: KernelLimits) -> Form | None:
         """The block as MoeBlock's constructor takes it (tensors and numbers by name), or None."""
         spec, router = self.spec.router, self.gate
         experts = self.experts
@@ -167,8 +166,8 @@ class SparseMoeBlock(nn.Module):
             "topk_group": spec.topk_group,
             "scaling": spec.routed_scaling_factor,
             "act": act,
-            "gemv_rows": GEMV_ROWS,
-            "max_elements": MAX_ELEMENTS,
+            "gemv_rows": limits.bf16_gemv_rows,
+            "max_elements": limits.decode_op_elements,
         }
         for name, form in parts.items():
             assert form is not None

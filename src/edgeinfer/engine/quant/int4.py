@@ -45,6 +45,7 @@ from edgeinfer.engine.quant.packing import (
     pack_nibbles,
     unpack_nibbles,
 )
+from edgeinfer.engine.runtime import runtime
 
 GROUP_SIZES = (32, 64, 128)
 # Groups of 32, as Q4_0 / Q4_K blocks: far more accurate than groups of 128 (docs/quantization.md), for more
@@ -322,7 +323,7 @@ _DEQUANT_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True)
-class _PackLayout:
+class PackLayout:
     """Where the fused kernel's packing puts each weight, as observed on this machine.
 
     Rows are packed in blocks of `block_n`: block `b` is `[K, block_n / 2]` bytes, and byte `j` of row `k`
@@ -334,7 +335,7 @@ class _PackLayout:
     hi_cols: slice
 
 
-def _probe_pack_layout() -> _PackLayout | None:
+def probe_pack_layout() -> PackLayout | None:
     """Probe the packing (it depends on the CPU's vector width): None when it is none of the known forms."""
     n, k = 256, 32
     rows = torch.arange(n, dtype=torch.int32).unsqueeze(1).expand(n, k)
@@ -344,8 +345,8 @@ def _probe_pack_layout() -> _PackLayout | None:
     for block_n in (64, 32):
         half = block_n // 2
         for layout in (
-            _PackLayout(block_n, slice(0, half), slice(half, block_n)),
-            _PackLayout(block_n, slice(0, block_n, 2), slice(1, block_n, 2)),
+            PackLayout(block_n, slice(0, half), slice(half, block_n)),
+            PackLayout(block_n, slice(0, block_n, 2), slice(1, block_n, 2)),
         ):
             lo_rows, hi_rows, k_of = (_unpack_blocks(p, layout, n, k) for p in packed)
             want = torch.arange(n, dtype=torch.int32).view(n // block_n, 1, block_n)
@@ -356,7 +357,7 @@ def _probe_pack_layout() -> _PackLayout | None:
     return None
 
 
-def _unpack_blocks(packed: torch.Tensor, layout: _PackLayout, n: int, k: int) -> torch.Tensor:
+def _unpack_blocks(packed: torch.Tensor, layout: PackLayout, n: int, k: int) -> torch.Tensor:
     """Nibbles of a probe's packing as `[n / block_n, k, block_n]` int32 (column c = row b * block_n + c)."""
     bytes_ = packed.reshape(n // layout.block_n, k, layout.block_n // 2).to(torch.int32)
     out = torch.empty(n // layout.block_n, k, layout.block_n, dtype=torch.int32)
@@ -365,24 +366,9 @@ def _unpack_blocks(packed: torch.Tensor, layout: _PackLayout, n: int, k: int) ->
     return out
 
 
-# Probed once, on first use (a few small ops), and kept in a global that compiled code reads rather than
-# traces. Not at import: the server imports this module on its event-loop thread, and a parallel op there
-# leaves an OpenMP team alive beside the engine's, which stops libgomp's workers spinning between
-# parallel regions (engine/threads.py: `run_in_own_thread`).
-_PACK_LAYOUT: _PackLayout | None = None
-_PROBED = False
-
-
-def _pack_layout() -> _PackLayout | None:
-    global _PACK_LAYOUT, _PROBED
-    if not _PROBED:
-        _PACK_LAYOUT, _PROBED = _probe_pack_layout(), True
-    return _PACK_LAYOUT
-
-
 def _unpackable(n: int) -> bool:
     """Whether a packed `n`-row weight can be dequantized here (the packing's last, partial block differs)."""
-    layout = _pack_layout()
+    layout = runtime().int4_pack
     return layout is not None and n % layout.block_n == 0
 
 
@@ -397,7 +383,7 @@ def _int4pack_codes(t: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, t
 def _int4pack_centered(packed: torch.Tensor, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """The packing's codes minus 8 as a contiguous `[K, N]` in `dtype`. The packing's blocks are already
     K-major, so each block unpacks into a column range and no transpose is needed."""
-    layout = _pack_layout()
+    layout = runtime().int4_pack
     assert layout is not None  # kernel_for / gemv_form checked
     blocks = packed.view(n // layout.block_n, k, layout.block_n // 2).view(torch.int8)
     w = torch.empty(k, n // layout.block_n, layout.block_n, dtype=dtype)

@@ -11,6 +11,7 @@ from torch import nn
 from edgeinfer.engine.attention.backend import get_attention_backend
 from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.attention.torch_backend import TorchPagedBackend
+from edgeinfer.engine.kernels.limits import KernelLimits
 from edgeinfer.engine.model.compile import DecodeCompiledForward
 from edgeinfer.engine.model.decode_ops import use_decode_ops
 from edgeinfer.engine.model.fused_decode import FusedDecode, fused_decode
@@ -52,7 +53,7 @@ class ModelRunner:
         vocab_limit: int | None = None,
         compile: bool = False,
         guidance_tokenizer: LazyGuidanceTokenizer | None = None,
-        decode_ops: bool = False,
+        decode_ops: KernelLimits | None = None,
     ) -> None:
         self.model = model
         self.storage = storage
@@ -60,12 +61,12 @@ class ModelRunner:
         self.backend = get_attention_backend(backend, storage)
         # every all-decode step through one C++ call where every layer runs on our kernels anyway
         self.fused: FusedDecode | None = None
-        if decode_ops:  # the model runs on our CPU kernels, so they are built and loaded
-            use_decode_ops(model)
+        if decode_ops is not None:  # the model runs on our CPU kernels, so they are built and loaded
+            use_decode_ops(model, decode_ops)
             self.backend.decode_ops = True
             # the fused step attends as the torch backend's decode ops do: never in place of another
             if isinstance(self.backend, TorchPagedBackend):
-                self.fused = fused_decode(model, storage)
+                self.fused = fused_decode(model, storage, decode_ops)
         # A compiled one-sequence graph only where the fused step does not take the model: where it does, it
         # is the faster of the two (in int4 and bf16 alike) and it takes batched decode steps too.
         self.compiled = DecodeCompiledForward(model) if compile and self.fused is None else None

@@ -23,7 +23,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = get_activation(act)
         self.act_code = ACT_CODES.get(act)  # for our `gated_act` (model.decode_ops.use_decode_ops)
-        self.kernel = False
+        self.kernel_elements = 0  # our one-call `gated_act` up to this size (layers/kernel_ops.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -15,8 +15,8 @@ class RMSNorm(nn.Module):
 
     `unit_offset=True` is Gemma's convention: the stored weight is a delta and the scale is `1 + w`,
     applied before casting back (Llama casts first, then multiplies; the difference shows in bf16).
-    `kernel` (set by `model.decode_ops.use_decode_ops`): small bf16 inputs take our one-call `rms_norm`,
-    with the same roundings, instead of the ~6 torch ops below (layers/kernel_ops.py).
+    `kernel_elements` (set by `model.decode_ops.use_decode_ops`): bf16 inputs up to that size take our
+    one-call `rms_norm`, with the same roundings, instead of the ~6 torch ops below (layers/kernel_ops.py).
     """
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self._scale: tuple[int, torch.Tensor] | None = None
-        self.kernel = False
+        self.kernel_elements = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if takes_kernel(self, x) and self.takes_kernel_weight():

@@ -103,7 +103,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self._step_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.kernel = False  # small bf16 rotations through our one-call `rope` (layers/kernel_ops.py)
+        self.kernel_elements = 0  # small bf16 rotations through our one-call `rope` (layers/kernel_ops.py)
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x of shape [T, heads, head_dim] at `positions` [T]."""
