@@ -30,7 +30,8 @@ def _exprs(dashboard: dict) -> list[str]:
 
 def test_dashboard_series_exist_on_a_live_router(tmp_path: Path) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
-    assert [p["title"] for p in dashboard["panels"] if p["type"] == "row"] == ["Edge router"]
+    rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
+    assert rows == ["Edge router", "Tenants (fleet limits)"]
     fleet = parse_fleet({"locations": [{"code": "FRA", "lat": 50.0, "lon": 8.5, "nodes": []}]})
     router = RouterThread(RouterConfig(location="FRA", placement=None), fleet).start()
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import re
 from collections.abc import Mapping
@@ -21,15 +22,31 @@ _LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
 # Weights (> 0, default 1): `weight` in the fair share of prefill across tenants, `cache_share` in the
 # share of cached KV blocks that eviction keeps for each tenant.
 _SHARE_FIELDS = ("weight", "cache_share")
+_OUTAGE_FIELD = "limits_on_outage"
+
+
+class OutagePolicy(enum.StrEnum):
+    """What a router does with a tenant's requests while the fleet's limit store (NATS) is unreachable:
+    `open` enforces the limits per router (so up to R times them with R routers; the nodes' own limits
+    still hold per node), `closed` refuses with 503 until the store is back."""
+
+    OPEN = "open"
+    CLOSED = "closed"
 
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """None: unlimited. Windows are 60 s sliding windows (see ratelimit.py)."""
+    """None: unlimited. On a node the windows are 60 s sliding windows (node/billing/ratelimit.py); on the
+    routers, fleet-wide fixed windows (router/limits/)."""
 
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
+    on_outage: OutagePolicy = OutagePolicy.OPEN
+
+    @property
+    def any(self) -> bool:
+        return any(getattr(self, name) is not None for name in _LIMIT_FIELDS)
 
     def __post_init__(self) -> None:
         for name in _LIMIT_FIELDS:
@@ -122,7 +139,7 @@ def _parse_entry(entry: Any, index: int, secret: bytes) -> tuple[str, Tenant]:
     where = f"tenants[{index}]"
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: must be a table/object")
-    unknown = set(entry) - {"name", "key_sha256", "prices", *_LIMIT_FIELDS, *_SHARE_FIELDS}
+    unknown = set(entry) - {"name", "key_sha256", "prices", _OUTAGE_FIELD, *_LIMIT_FIELDS, *_SHARE_FIELDS}
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
     name, key_hash = entry.get("name"), str(entry.get("key_sha256", "")).lower()
@@ -132,7 +149,9 @@ def _parse_entry(entry: Any, index: int, secret: bytes) -> tuple[str, Tenant]:
         raise ValueError(
             f"{where} ({name}): `key_sha256` must be 64 hex digits (python -m edgeinfer.node.keys)"
         )
-    limits = TenantLimits(**{k: entry[k] for k in _LIMIT_FIELDS if k in entry})
+    limits = TenantLimits(
+        **{k: entry[k] for k in _LIMIT_FIELDS if k in entry}, on_outage=_outage(entry, where)
+    )
     prices = dict(entry.get("prices", {}))
     for model, override in prices.items():
         Price.from_mapping(override, where=f"{where}.prices.{model}")  # validated now, applied when billing
@@ -145,3 +164,12 @@ def _share(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValueError(f"{where}: must be a number > 0, got {value!r}")
     return float(value)
+
+
+def _outage(entry: dict[str, Any], where: str) -> OutagePolicy:
+    value = entry.get(_OUTAGE_FIELD, OutagePolicy.OPEN.value)
+    try:
+        return OutagePolicy(value)
+    except ValueError:
+        known = ", ".join(OutagePolicy)
+        raise ValueError(f"{where}.{_OUTAGE_FIELD}: must be one of {known}, got {value!r}") from None

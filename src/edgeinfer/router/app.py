@@ -18,14 +18,16 @@ from edgeinfer.api.tenants import TenantRegistry
 from edgeinfer.router import routes, status_page
 from edgeinfer.router.body_limit import BodyLimit
 from edgeinfer.router.breaker import CircuitBreaker
+from edgeinfer.router.bus import FleetBus
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.fleet_file import Fleet
+from edgeinfer.router.limits.tenants_check import tenants_digest
 from edgeinfer.router.metrics import RouterMetrics
 from edgeinfer.router.middleware import RequestIds
 from edgeinfer.router.placement import PlacementLoop
 from edgeinfer.router.proxy import Forwarder
 from edgeinfer.router.service import RouterService
-from edgeinfer.router.sources import NatsSource, PollSource
+from edgeinfer.router.sources import PollSource
 from edgeinfer.router.state import FleetState
 
 logger = logging.getLogger("edgeinfer.router")
@@ -41,8 +43,9 @@ def create_router_app(config: RouterConfig, fleet: Fleet) -> FastAPI:
         raise ValueError(f"router location {config.location!r} is not a location of the fleet file")
     # The router's registry only checks keys; cache namespaces are derived on the nodes.
     namespace_key = secrets.token_bytes(32)
-    if config.tenants_file:
-        tenants = TenantRegistry.from_mapping(load_table(config.tenants_file), namespace_key)
+    table = load_table(config.tenants_file) if config.tenants_file else None
+    if table is not None:
+        tenants = TenantRegistry.from_mapping(table, namespace_key)
     else:
         tenants = TenantRegistry.open(namespace_key)
     state = FleetState(fleet, lambda: CircuitBreaker(config.breaker_failures, config.breaker_reset_s))
@@ -60,7 +63,9 @@ def create_router_app(config: RouterConfig, fleet: Fleet) -> FastAPI:
                 for _ in range(POOL_SHARDS)
             ]
             client = clients[0]  # status polls and placement requests
-            source = NatsSource(config.nats_url, state) if config.nats_url else PollSource(state, client)
+            bus = FleetBus(config, state, metrics, tenants_digest(table)) if config.nats_url else None
+            source = bus if bus is not None else PollSource(state, client)
+            await source.start()
             placement = None
             if config.placement is not None and config.router_secret is not None:
                 placement = PlacementLoop(
@@ -74,8 +79,8 @@ def create_router_app(config: RouterConfig, fleet: Fleet) -> FastAPI:
                 forwarder=forwarder,
                 metrics=metrics,
                 placement=placement,
+                limiter=bus.limiter if bus is not None else None,
             )
-            await source.start()
             if placement is not None:
                 await placement.start()
             app.state.ready = True

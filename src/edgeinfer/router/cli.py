@@ -7,6 +7,7 @@ import logging
 
 from edgeinfer.api.router_trust import load_secret
 from edgeinfer.router.config import RouterConfig
+from edgeinfer.router.limits.limiter import FleetLimitsConfig
 from edgeinfer.router.policy import PolicyConfig, Strategy
 
 _POLICY_HELP = {
@@ -57,6 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-attempts", type=int, default=3, help="nodes tried before the first byte")
     parser.add_argument("--first-byte-timeout", type=float, default=120.0, metavar="S")
     parser.add_argument("--seed", type=int, default=None, help="seed the policy's random choices")
+    parser.add_argument(
+        "--limits-window-s",
+        type=float,
+        default=FleetLimitsConfig.window_s,
+        metavar="S",
+        help="the fleet limits' window: requests_per_minute and tokens_per_minute count per this many "
+        "seconds (%(default)g: per minute; shorter for tests)",
+    )
     policy = parser.add_argument_group("policy constants (docs/router.md)")
     defaults = PolicyConfig()
     for name, text in _POLICY_HELP.items():
@@ -78,6 +87,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         max_attempts=args.max_attempts,
         first_byte_timeout_s=args.first_byte_timeout,
         seed=args.seed,
+        fleet_limits=FleetLimitsConfig(window_s=args.limits_window_s),
     )
 
 

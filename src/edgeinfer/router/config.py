@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edgeinfer.api.limits import NodeLimits
+from edgeinfer.router.limits.limiter import FleetLimitsConfig
 from edgeinfer.router.placement import PlacementConfig
 from edgeinfer.router.policy import PolicyConfig, Strategy
 
@@ -15,6 +16,9 @@ class RouterConfig:
     tenants_file: str | None = None
     router_secret: bytes | None = None  # signs the tenant header for nodes (api/router_trust.py)
     nats_url: str | None = None  # fleet state from NATS; None: poll every node's /node/status
+    # Tenants' limits across the fleet, on NATS JetStream (router/limits/); without NATS the router enforces
+    # none and the nodes' own limits hold, per node.
+    fleet_limits: FleetLimitsConfig = field(default_factory=FleetLimitsConfig)
     poll_interval_s: float = 0.1
     strategy: Strategy = Strategy.TTFT
     policy: PolicyConfig = field(default_factory=PolicyConfig)

@@ -1,11 +1,11 @@
 """Prometheus series of a router, under `edgeinfer_router:`. Labels stay bounded: locations and nodes
-come from the fleet file, outcomes are HTTP statuses or a few words."""
+come from the fleet file, tenants from the tenants file, outcomes are HTTP statuses or a few words."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -55,7 +55,47 @@ class RouterMetrics:
             "to its headers and minus emulated RTT: validation, decision, failed attempts, relaying.",
             ADDED_BUCKETS,
         )
+        self._tenant_series(r)
         r.register(_BreakerCollector(breaker_states))
+
+    def _tenant_series(self, r: CollectorRegistry) -> None:
+        """Fleet limits (router/limits/) per tenant."""
+        self.tenant_admitted = Counter(
+            PREFIX + "tenant_admitted_requests",
+            "Requests admitted against the tenant's limits: by the fleet's budget, or by this router's "
+            "own count while the budget's store is out (`via`).",
+            ["tenant", "via"],
+            registry=r,
+        )
+        self.tenant_rejected = Counter(
+            PREFIX + "tenant_rejected_requests",
+            "Requests refused by the tenant's fleet limits, by the limit (requests, tokens, concurrent "
+            "requests) or the outage policy (outage).",
+            ["tenant", "limit"],
+            registry=r,
+        )
+        self.tenant_billed_tokens = Counter(
+            PREFIX + "tenant_billed_tokens",
+            "Tokens (prompt + output) the nodes billed for requests this router admitted.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_billed_cost = Counter(
+            PREFIX + "tenant_billed_cost_units",
+            "Cost units the nodes billed for requests this router admitted.",
+            ["tenant"],
+            registry=r,
+        )
+        self.limiter_outages = Counter(
+            PREFIX + "limiter_outages",
+            "Admissions decided without the fleet's limit store (NATS unreachable).",
+            registry=r,
+        )
+        self.tenants_mismatch = Gauge(
+            PREFIX + "tenants_file_mismatch",
+            "1 while another router of the fleet runs with a different tenants file.",
+            registry=r,
+        )
 
     def count(self, entry: NodeEntry, outcome: str) -> None:
         self.routed.labels(entry.location, entry.node_id, outcome).inc()

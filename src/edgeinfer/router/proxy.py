@@ -195,6 +195,18 @@ class RelayResponse(StreamingResponse):
         self._on_start = on_start
         self._on_end = on_end
 
+    def also_on_end(self, callback: Callable[[], None]) -> None:
+        """Run `callback` too when the relay ends (after what runs already)."""
+        first = self._on_end
+
+        def both() -> None:
+            try:
+                first()
+            finally:
+                callback()
+
+        self._on_end = both
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def watched(message: Message) -> None:
             await send(message)

@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from edgeinfer.api.embeddings import openai_embedding_job, workers_ai_embedding_job
 from edgeinfer.api.http.json_body import BoundedJSONRoute
+from edgeinfer.api.jobs import Job
 from edgeinfer.api.prepare import chat_job, check_one_workers_ai_input, completion_job, workers_ai_job
 from edgeinfer.api.schemas import (
     ChatCompletionRequest,
@@ -42,14 +43,14 @@ RouterTenant = Annotated[Tenant, Depends(router_tenant)]
 async def completions(body: CompletionRequest, request: Request, tenant: RouterTenant) -> Response:
     service = request.app.state.service
     job = completion_job(body, await request.json(), service.config.limits)
-    return await service.route(request, tenant, job.model)
+    return await service.route(request, tenant, job.model, _output_tokens(job, service))
 
 
 @router.post("/v1/chat/completions", tags=["openai"])
 async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: RouterTenant) -> Response:
     service = request.app.state.service
     job = chat_job(body, await request.json(), service.config.limits)
-    return await service.route(request, tenant, job.model)
+    return await service.route(request, tenant, job.model, _output_tokens(job, service))
 
 
 @router.post("/v1/embeddings", tags=["openai"])
@@ -71,7 +72,13 @@ async def run_model(
         job = workers_ai_embedding_job(model, body, service.config.limits)
     else:
         job = workers_ai_job(model, body, await request.json(), service.config.limits)
+        return await service.route(request, tenant, job.model, _output_tokens(job, service))
     return await service.route(request, tenant, job.model)
+
+
+def _output_tokens(job: Job, service: Any) -> int:
+    """The most a generation may produce, all choices together (the node's own reservation likewise)."""
+    return job.num_choices * (job.max_tokens or service.config.limits.max_tokens)
 
 
 @router.get("/v1/models", tags=["openai"])

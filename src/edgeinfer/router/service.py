@@ -1,4 +1,5 @@
-"""One request through the router: authenticate → validate → decide → forward (proxy.py)."""
+"""One request through the router: authenticate → validate → admit (fleet limits) → decide → forward
+(proxy.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from edgeinfer.api import router_trust
 from edgeinfer.api.errors import ApiError, busy, model_not_found
 from edgeinfer.api.tenants import Tenant, TenantRegistry
 from edgeinfer.router.config import RouterConfig
+from edgeinfer.router.limits.limiter import FleetAdmission, FleetLimiter
 from edgeinfer.router.metrics import RouterMetrics
 from edgeinfer.router.placement import PlacementLoop
 from edgeinfer.router.policy import Decision, DecisionKind, RequestFeatures, decide
-from edgeinfer.router.proxy import HOP_BY_HOP, Forward, Forwarder
+from edgeinfer.router.proxy import HOP_BY_HOP, Forward, Forwarder, RelayResponse
 from edgeinfer.router.state import FleetState
 from edgeinfer.types.cache_salt import tenant_salt
 
@@ -60,8 +62,10 @@ class RouterService:
         forwarder: Forwarder,
         metrics: RouterMetrics,
         placement: PlacementLoop | None = None,
+        limiter: FleetLimiter | None = None,
     ) -> None:
         self.config = config
+        self.limiter = limiter
         self.tenants = tenants
         self.state = state
         self.forwarder = forwarder
@@ -92,10 +96,30 @@ class RouterService:
         served = ", ".join(sorted(self.state.served_models(self.config.policy.drop_after_s))) or "nothing"
         return model_not_found(f"model {model!r} does not exist; this fleet serves: {served}")
 
-    async def route(self, request: Request, tenant: Tenant, model: str) -> Response:
-        """Generation and embedding requests alike: the same policy, retries, tenants and metrics."""
+    async def route(self, request: Request, tenant: Tenant, model: str, output_tokens: int = 0) -> Response:
+        """Generation and embedding requests alike: the same limits, policy, retries, tenants and metrics.
+        `output_tokens`: the most the request may generate (all choices), reserved against tokens/min
+        with the prompt's estimate until the node's usage event says what it used."""
         started = getattr(request.state, "arrived", time.monotonic())
         body = await request.body()
+        admission = None
+        if self.limiter is not None:
+            request_id = request.headers.get("x-request-id", "")
+            reserve = len(body) // BYTES_PER_TOKEN + output_tokens
+            admission = await self.limiter.admit(tenant, request_id, reserve)
+        try:
+            response = await self._route(request, tenant, model, body, started)
+        except BaseException as exc:
+            if admission is not None:
+                admission.end(exc.status if isinstance(exc, ApiError) else 500)
+            raise
+        if admission is not None:
+            _end_with(response, admission)
+        return response
+
+    async def _route(
+        self, request: Request, tenant: Tenant, model: str, body: bytes, started: float
+    ) -> Response:
         location = self.client_location(request)
         affinity = request.headers.get(AFFINITY_HEADER)
         salt = self.cache_salt(tenant)
@@ -158,3 +182,11 @@ class RouterService:
             secret = self.config.router_secret
             headers.update(router_trust.signed_headers(secret, tenant.name, time.time(), salt))
         return headers
+
+
+def _end_with(response: Response, admission: FleetAdmission) -> None:
+    """The admission ends when the client has the whole answer (a relayed stream's end), else now."""
+    if isinstance(response, RelayResponse):
+        response.also_on_end(lambda: admission.end(response.status_code))
+    else:
+        admission.end(response.status_code)

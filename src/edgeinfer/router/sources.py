@@ -18,16 +18,15 @@ POLL_TIMEOUT_S = 2.0
 
 
 class NatsSource:
-    def __init__(self, url: str, state: FleetState) -> None:
-        self._url = url
+    """Node statuses from NATS, on the router's connection (app.py owns it)."""
+
+    def __init__(self, nc: Any, state: FleetState) -> None:
+        self._nc = nc
         self._state = state
-        self._nc = None
+        self._sub: Any = None
 
     async def start(self) -> None:
-        import nats
-
-        self._nc = await nats.connect(self._url, name="edgeinfer-router", max_reconnect_attempts=-1)
-        await self._nc.subscribe(f"{STATUS_SUBJECT_PREFIX}.>", cb=self._on_message)
+        self._sub = await self._nc.subscribe(f"{STATUS_SUBJECT_PREFIX}.>", cb=self._on_message)
 
     async def _on_message(self, msg: Any) -> None:  # a nats.aio.msg.Msg
         try:
@@ -36,9 +35,9 @@ class NatsSource:
             logger.warning("bad status on %s: %s", msg.subject, exc)
 
     async def stop(self) -> None:
-        if self._nc is not None:
+        if self._sub is not None:
             with contextlib.suppress(Exception):
-                await self._nc.close()
+                await self._sub.unsubscribe()
 
 
 class PollSource:
