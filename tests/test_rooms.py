@@ -1,9 +1,9 @@
 """The rooms' import rules (docs/engine.md, the map of rooms): what both servers speak lives in `api`, which
 imports neither server; the router reaches nodes over HTTP and NATS only, never through their code; the
-node never imports the router; the fleet simulator runs the router's own policy and network model;
-weight quantization imports neither the eval harness nor attention; our CPU kernels are a leaf room (torch,
-the standard library and the cache dir's location): model, quantization and attention call them, never
-the reverse."""
+node never imports the router; the ledger imports only `api` and `types`; the fleet simulator runs the
+router's own policy and network model; weight quantization imports neither the eval harness nor attention;
+our CPU kernels are a leaf room (torch, the standard library and the cache dir's location): model,
+quantization and attention call them, never the reverse."""
 
 from __future__ import annotations
 
@@ -29,6 +29,15 @@ FORBIDDEN = {
     "router": ("edgeinfer.node", "edgeinfer.engine", "edgeinfer.pool", "torch"),
     "node": ("edgeinfer.router", "edgeinfer.fleet"),
     "fleet": ("edgeinfer.node", "edgeinfer.engine", "edgeinfer.pool", "torch"),
+    # the ledger is one process for the whole fleet: it reads events off the bus, never a server's code
+    "ledger": (
+        "edgeinfer.node",
+        "edgeinfer.router",
+        "edgeinfer.engine",
+        "edgeinfer.pool",
+        "edgeinfer.fleet",
+        "torch",
+    ),
     # quantization alone: a calibration pass gets its forward from the caller, the corpus is its own room
     "engine/quant": ("edgeinfer.eval", "edgeinfer.engine.attention"),
     # the kernels are a leaf: the rooms that use them switch their own layers onto them
@@ -42,8 +51,11 @@ FORBIDDEN = {
         "edgeinfer.api",
     ),
 }
-# api's own dependencies: ours it may import at all (third-party HTTP and schema libraries aside)
-API_MAY_IMPORT = ("edgeinfer.api", "edgeinfer.types", "edgeinfer.structured")
+# Ours that a room may import at all (third-party libraries aside).
+MAY_IMPORT = {
+    "api": ("edgeinfer.api", "edgeinfer.types", "edgeinfer.structured"),
+    "ledger": ("edgeinfer.ledger", "edgeinfer.api", "edgeinfer.types"),
+}
 
 
 def _imports(path: Path) -> set[str]:
@@ -75,12 +87,13 @@ def test_room_imports_nothing_it_must_not(room: str) -> None:
     assert not found
 
 
-def test_api_imports_only_types_and_structured_of_ours() -> None:
+@pytest.mark.parametrize("room", sorted(MAY_IMPORT))
+def test_room_imports_only_what_it_may_of_ours(room: str) -> None:
     found = {
         f"{path}: {name}"
-        for path, names in _room_imports("api").items()
+        for path, names in _room_imports(room).items()
         for name in names
-        if name.startswith("edgeinfer") and not _matches(name, API_MAY_IMPORT)
+        if name.startswith("edgeinfer") and not _matches(name, MAY_IMPORT[room])
     }
     assert not found
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sqlite3
 import time
@@ -14,12 +13,11 @@ from edgeinfer.api.files import load_table
 from edgeinfer.api.keys import generate_key, hash_key, tenant_snippet
 from edgeinfer.api.prices import Price
 from edgeinfer.api.tenants import TenantRegistry, cache_namespace
-from edgeinfer.node.billing.metering import UsageRecord, UsageStore
+from edgeinfer.node.billing.metering import COLUMNS, UsageRecord, UsageStore
 from edgeinfer.node.billing.prices import PriceTable
 from edgeinfer.node.keys import main
 
 SECRET = b"s" * 32
-COLUMNS = [f.name for f in dataclasses.fields(UsageRecord)]
 
 
 def _record(*values: object) -> UsageRecord:

@@ -7,6 +7,7 @@ import os
 import queue
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -55,6 +56,7 @@ class _FleetUp:
         threading.Thread(target=self._read, daemon=True).start()
         self.routers: dict[str, str] = {}
         self.nodes: dict[str, str] = {}
+        self.workdir = workdir
 
     def read_urls(self) -> None:
         """Wait for the fleet to print its routers' and nodes' URLs."""
@@ -129,8 +131,23 @@ def _stop_and_check_children_gone(fleet: _FleetUp) -> None:
 def test_fleet_up_routes_and_stops_on_ctrl_c(fleet_up: _FleetUp):
     response = _complete(fleet_up.routers["AMS"])
     assert response.status_code == 200 and response.headers["x-edgeinfer-location"] == "AMS"
-    assert len(_children(fleet_up.proc.pid)) == 5  # NATS, 2 nodes, 2 routers
+    assert len(_children(fleet_up.proc.pid)) == 6  # NATS, the ledger, 2 nodes, 2 routers
+    _until_the_ledger_bills(fleet_up.workdir / "ledger.sqlite", requests=1)
     _stop_and_check_children_gone(fleet_up)
+
+
+def _until_the_ledger_bills(db: Path, requests: int, timeout: float = 30.0) -> None:
+    """The fleet's ledger has stored the usage events of `requests` requests (nodes publish them on NATS)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with (
+            contextlib.suppress(sqlite3.OperationalError),  # not created yet
+            contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn,
+        ):
+            if conn.execute("SELECT COUNT(*) FROM usage_events").fetchone()[0] >= requests:
+                return
+        assert time.monotonic() < deadline, f"the ledger has not stored {requests} requests"
+        time.sleep(0.2)
 
 
 @pytest.mark.slow

@@ -1,10 +1,10 @@
-"""One CLI, `edgeinfer`: generate, embed, serve, router, fleet, bench, quantize, compress, eval.
+"""One CLI, `edgeinfer`: generate, embed, serve, router, ledger, fleet, bench, quantize, compress, eval.
 
 A subcommand is a module with `add_arguments(parser)` and `run(args) -> int` (or `<name>_command` holding
 both). The engine's commands live in this package (`generate`, `embed`, `quantize` / `compress`), with the
 engine flags they share (`engine_args.py`); the rooms built on the engine own theirs (`node/cli.py`,
-`router/`, `fleet/`, `bench/`, `eval/`). This file only routes. Errors the user can fix end as one line on
-stderr and exit code 2.
+`router/`, `ledger/`, `fleet/`, `bench/`, `eval/`). This file only routes. Errors the user can fix end as one
+line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "embed": ("edgeinfer.cli.embed", "embed texts; print the vectors' shape and first values"),
     "serve": ("edgeinfer.node.cli", "run the node server (OpenAI and Workers-AI APIs)"),
     "router": ("edgeinfer.router.cli", "run the edge router in front of a fleet of nodes"),
+    "ledger": (
+        "edgeinfer.ledger.cli",
+        "the fleet's usage ledger: stores every node's usage events from NATS, answers usage queries",
+    ),
     "fleet": (
         "edgeinfer.fleet.cli",
         "a loopback fleet (`up`) and the fleet simulator (`simulate`)",

@@ -21,15 +21,20 @@ def nats_server_binary() -> str:
     return found
 
 
-def nats_args(port: int) -> list[str]:
-    """The command line of a NATS server on loopback:`port`."""
-    return [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]
+def nats_args(port: int, store_dir: Path) -> list[str]:
+    """The command line of a NATS server on loopback:`port` with JetStream on, its streams in `store_dir`:
+    the usage events of the fleet ledger wait there, and a server restarted on the same dir finds them."""
+    return [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir)]
 
 
-def start_nats(port: int, log_path: Path, timeout: float = 10.0) -> subprocess.Popen[bytes]:
-    """Start a NATS server on loopback:`port` and wait until it accepts connections."""
+def start_nats(
+    port: int, log_path: Path, store_dir: Path | None = None, timeout: float = 10.0
+) -> subprocess.Popen[bytes]:
+    """Start a NATS server on loopback:`port` and wait until it accepts connections. Its JetStream store is
+    `store_dir`, by default a directory beside the log (`nats.log` → `nats-jetstream/`)."""
+    store = store_dir or log_path.with_name(f"{log_path.stem}-jetstream")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(nats_args(port), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(nats_args(port, store), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

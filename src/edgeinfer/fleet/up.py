@@ -1,8 +1,9 @@
-"""`edgeinfer fleet up`: a whole fleet on loopback — NATS, one node and one router per location.
+"""`edgeinfer fleet up`: a whole fleet on loopback — NATS (with JetStream), the usage ledger, one node and
+one router per location.
 
 Every process is a child of this one. One that exits once the fleet is up is restarted on its port, with a
 backoff, and left down if it keeps exiting (`Supervisor.check`); Ctrl-C (or SIGTERM) stops routers, then
-nodes, then NATS.
+nodes, then the ledger, then NATS.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ RESTART_BACKOFF_MAX_S = 30.0
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
 NATS = "nats"
+LEDGER = "ledger"
 
 
 @dataclass
@@ -172,14 +174,16 @@ class Supervisor:
         self.procs[index] = (name, self._start(name, member.args, "ab"))
 
     def stop(self) -> None:
-        """Routers first (they were started last), so no request is sent to a node that is going, and NATS
-        last, so that nothing loses its connection to it while stopping. One deadline for all of them, not
-        one each: a process that has not exited by then is killed, and named, so that Ctrl-C never waits on a
-        stuck process once per process."""
+        """Routers first (they were started last), so no request is sent to a node that is going; the ledger
+        after the nodes, so that it stores the usage they publish while they stop; NATS last, so that nothing
+        loses its connection to it while stopping. One deadline for all of them, not one each: a process that
+        has not exited by then is killed, and named, so that Ctrl-C never waits on a stuck process once per
+        process."""
         deadline = time.monotonic() + STOP_TIMEOUT_S
         members = list(reversed(self.procs))
-        self._stop([m for m in members if m[0] != NATS], deadline)
-        self._stop([m for m in members if m[0] == NATS], deadline)
+        self._stop([m for m in members if m[0] not in (NATS, LEDGER)], deadline)
+        for last in (LEDGER, NATS):
+            self._stop([m for m in members if m[0] == last], deadline)
 
     @staticmethod
     def _stop(procs: list[tuple[str, subprocess.Popen[bytes]]], deadline: float) -> None:
@@ -212,9 +216,14 @@ def run_fleet(
     (workdir / "fleet.toml").write_text(layout.fleet_toml())
     (workdir / "router-secret").write_text(secrets.token_hex(32))
     fleet = Supervisor(workdir)
-    fleet.adopt(NATS, start_nats(layout.nats_port, workdir / "nats.log"), nats_args(layout.nats_port))
+    store = workdir / "jetstream"
+    nats = start_nats(layout.nats_port, workdir / "nats.log", store)
+    fleet.adopt(NATS, nats, nats_args(layout.nats_port, store))
     nats_url = f"nats://127.0.0.1:{layout.nats_port}"
     py = [sys.executable, "-m"]
+    # Before the nodes, so that their first usage events find it (they would wait in the stream anyway).
+    ledger = [*py, "edgeinfer.cli", "ledger", "--nats-url", nats_url, "--db", str(workdir / "ledger.sqlite")]
+    fleet.spawn(LEDGER, ledger)
     common = ["--nats-url", nats_url, "--router-secret-file", str(workdir / "router-secret")]
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -264,6 +273,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def _print_urls(layout: FleetPlan, nats_url: str, workdir: Path) -> None:
     print(f"NATS    {nats_url}")
+    print(f"LEDGER  {workdir / 'ledger.sqlite'} (usage queries on NATS: edgeinfer.ledger.usage)")
     for (code, _, _), node, router in zip(
         layout.locations, layout.node_ports, layout.router_ports, strict=True
     ):

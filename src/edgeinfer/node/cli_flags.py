@@ -148,7 +148,10 @@ def _fleet_flags(fleet: argparse._ArgumentGroup) -> None:
     fleet.add_argument("--node-id", default=None, help="this node's id in the fleet file (HOSTNAME-PORT)")
     fleet.add_argument("--location", default="", help="the location code this node is in (FRA, AMS, ...)")
     fleet.add_argument(
-        "--nats-url", default=None, metavar="URL", help="publish this node's status on NATS (nats://...)"
+        "--nats-url",
+        default=None,
+        metavar="URL",
+        help="publish this node's status and its usage events (for `edgeinfer ledger`) on NATS (nats://...)",
     )
     fleet.add_argument(
         "--status-interval-ms", type=float, default=100.0, help="how often the status is published (100)"

@@ -51,7 +51,7 @@ class NodeConfig:
     # Fleet membership: how routers know this node (docs/router.md).
     node_id: str = ""
     location: str = ""
-    nats_url: str | None = None  # publish NodeStatus there every status_interval_s
+    nats_url: str | None = None  # publish NodeStatus there every status_interval_s, and usage events
     status_interval_s: float = 0.1
     # Shared with the routers: a request signed with it carries a tenant the node trusts (router_trust).
     router_secret: bytes | None = None
@@ -64,3 +64,5 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not self.switch_interval_s > 0:
             raise ValueError("switch interval must be > 0")
+        if self.nats_url and not self.node_id:
+            raise ValueError("a node on NATS needs a node id (its status and usage events are named by it)")

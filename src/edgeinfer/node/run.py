@@ -96,7 +96,14 @@ class RequestRun:
         )
 
     def _meter(self, status: int) -> None:
-        self.store.append(self._record(status))
+        ttft = self.outcome.latency.ttft
+        self.store.append(
+            dataclasses.replace(
+                self._record(status),
+                ttft_ms=None if ttft is None else round(ttft * 1000, 3),
+                duration_ms=round((time.monotonic() - self.job.arrival) * 1000, 3),
+            )
+        )
 
     def _record(self, status: int) -> UsageRecord:
         usage = self.outcome.usage

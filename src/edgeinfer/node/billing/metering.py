@@ -4,17 +4,26 @@ Requests still running are checkpointed into `usage_in_flight` (one row each, re
 their final row replaces it in the same transaction. A store opened after a crash turns what is left in
 `usage_in_flight` into usage rows with status `STATUS_INTERRUPTED`, so a `kill -9` loses at most the usage
 of one checkpoint interval.
+
+A store given a node id (a node on NATS) also queues each usage row as a `UsageEvent` for the fleet ledger:
+into `usage_outbox`, in the same transaction as the row, so no committed row misses its event and no event
+exists without its row. The node's publisher (`node/fleet_usage.py`) deletes an event only once JetStream has
+acknowledged it; until then it waits on disk, across NATS outages and restarts of the node.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import sqlite3
 import threading
-from dataclasses import astuple, dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from edgeinfer.types.usage_event import UsageEvent
 
 logger = logging.getLogger("edgeinfer.metering")
 
@@ -49,12 +58,28 @@ CREATE TABLE IF NOT EXISTS usage_in_flight (
     output_tokens INTEGER NOT NULL,
     cost_units REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS usage_outbox (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id TEXT NOT NULL,
+    subject TEXT NOT NULL,
+    event BLOB NOT NULL
+);
 """
-_COLUMNS = (
-    "ts, tenant, model, request_id, endpoint, status, "
-    "input_tokens, cached_input_tokens, output_tokens, cost_units"
+# The columns of the usage table (and of usage_in_flight), in their order: UsageRecord's fields but timings.
+COLUMNS = (
+    "ts",
+    "tenant",
+    "model",
+    "request_id",
+    "endpoint",
+    "status",
+    "input_tokens",
+    "cached_input_tokens",
+    "output_tokens",
+    "cost_units",
 )
-_PLACEHOLDERS = ", ".join("?" * 10)
+_COLUMN_LIST = ", ".join(COLUMNS)
+_PLACEHOLDERS = ", ".join("?" * len(COLUMNS))
 # The status of a request the node stopped serving in the middle (a crash): billed to its last checkpoint.
 STATUS_INTERRUPTED = 599
 _FINAL, _CHECKPOINT = "final", "checkpoint"
@@ -74,6 +99,40 @@ class UsageRecord:
     cached_input_tokens: int
     output_tokens: int
     cost_units: float
+    # For the fleet ledger's event only (the usage table keeps its columns): first token and whole time.
+    ttft_ms: float | None = None
+    duration_ms: float | None = None
+
+    def row(self) -> tuple[Any, ...]:
+        """The values of the usage table's columns, in their order."""
+        return tuple(getattr(self, name) for name in COLUMNS)
+
+    def event(self, node_id: str) -> UsageEvent:
+        return UsageEvent(
+            request_id=self.request_id,
+            node_id=node_id,
+            tenant=self.tenant,
+            model=self.model,
+            endpoint=self.endpoint,
+            status=self.status,
+            input_tokens=self.input_tokens,
+            cached_input_tokens=self.cached_input_tokens,
+            output_tokens=self.output_tokens,
+            cost_units=self.cost_units,
+            ts=self.ts,
+            ttft_ms=self.ttft_ms,
+            duration_ms=self.duration_ms,
+        )
+
+
+@dataclass(frozen=True)
+class OutboxEntry:
+    """One usage event waiting for JetStream's acknowledgement."""
+
+    id: int
+    event_id: str
+    subject: str
+    payload: bytes
 
 
 class UsageStore:
@@ -81,12 +140,17 @@ class UsageStore:
 
     `append` and `checkpoint` are non-blocking and safe from any thread (including code running while a
     request is being cancelled); `flush` waits until everything given so far is committed.
+
+    With `node_id`, every usage row gets its event in `usage_outbox` (see the module's docstring); without
+    it (a node not on NATS) nothing is queued, since nothing would ever take it.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, node_id: str | None = None) -> None:
         if path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self._node_id = node_id
+        self._on_outbox: Callable[[], None] | None = None
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a power cut may lose the last commits, never corrupt the file; a killed
@@ -130,24 +194,56 @@ class UsageStore:
 
     def records(self, tenant: str, limit: int = 100) -> list[UsageRecord]:
         """The tenant's most recent rows, newest first."""
-        sql = f"SELECT {_COLUMNS} FROM usage WHERE tenant = ? ORDER BY id DESC LIMIT ?"
+        sql = f"SELECT {_COLUMN_LIST} FROM usage WHERE tenant = ? ORDER BY id DESC LIMIT ?"
         with self._lock:
             rows = self._conn.execute(sql, (tenant, limit)).fetchall()
-        names = [f.name for f in fields(UsageRecord)]
-        return [UsageRecord(**dict(zip(names, row, strict=True))) for row in rows]
+        return [UsageRecord(**dict(zip(COLUMNS, row, strict=True))) for row in rows]
+
+    def watch_outbox(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` (from the writer thread) after each commit that queued events; None stops it."""
+        self._on_outbox = callback
+
+    def outbox(self, limit: int) -> list[OutboxEntry]:
+        """The oldest events still waiting to be published."""
+        sql = "SELECT id, event_id, subject, event FROM usage_outbox ORDER BY id LIMIT ?"
+        with self._lock:
+            rows = self._conn.execute(sql, (limit,)).fetchall()
+        return [OutboxEntry(*row) for row in rows]
+
+    def outbox_done(self, ids: list[int]) -> None:
+        """Forget these events: JetStream has them."""
+        with self._lock:
+            self._conn.executemany("DELETE FROM usage_outbox WHERE id = ?", [(i,) for i in ids])
 
     def _close_interrupted(self) -> None:
-        """Rows of requests that were running when the previous process died become usage rows."""
-        status = f"{STATUS_INTERRUPTED} AS status"
+        """Rows of requests that were running when the previous process died become usage rows (and
+        events), in one transaction with emptying `usage_in_flight`."""
+        rows = self._conn.execute(f"SELECT {_COLUMN_LIST} FROM usage_in_flight ORDER BY ts").fetchall()
+        records = [UsageRecord(**dict(zip(COLUMNS, row, strict=True))) for row in rows]
         with self._conn:
             self._conn.execute("BEGIN")
-            moved = self._conn.execute(
-                f"INSERT INTO usage ({_COLUMNS}) SELECT {_COLUMNS.replace('status', status)} "
-                "FROM usage_in_flight ORDER BY ts"
-            ).rowcount
+            for record in records:
+                self._insert_final(dataclasses.replace(record, status=STATUS_INTERRUPTED))
             self._conn.execute("DELETE FROM usage_in_flight")
-        if moved:
-            logger.warning("%d requests were interrupted by a stop; billed to their last checkpoint", moved)
+        if records:
+            logger.warning(
+                "%d requests were interrupted by a stop; billed to their last checkpoint", len(records)
+            )
+
+    def _insert_final(self, record: UsageRecord) -> None:
+        """The request's usage row, its event for the ledger (on NATS), and no more checkpoint."""
+        self._conn.execute(f"INSERT INTO usage ({_COLUMN_LIST}) VALUES ({_PLACEHOLDERS})", record.row())
+        self._conn.execute("DELETE FROM usage_in_flight WHERE request_id = ?", (record.request_id,))
+        if self._node_id is not None:
+            event = record.event(self._node_id)
+            self._conn.execute(
+                "INSERT INTO usage_outbox (event_id, subject, event) VALUES (?, ?, ?)",
+                (event.event_id, event.subject, event.to_json()),
+            )
+
+    def _insert_checkpoint(self, record: UsageRecord) -> None:
+        sql = f"INSERT OR REPLACE INTO usage_in_flight ({_COLUMN_LIST}) VALUES ({_PLACEHOLDERS})"
+        self._conn.execute(sql, record.row())
 
     def _write_loop(self) -> None:
         while True:
@@ -171,20 +267,16 @@ class UsageStore:
                 self._conn.execute("BEGIN")
                 for kind, record in ops:
                     if kind == _FINAL:
-                        self._conn.execute(
-                            f"INSERT INTO usage ({_COLUMNS}) VALUES ({_PLACEHOLDERS})", astuple(record)
-                        )
-                        self._conn.execute(
-                            "DELETE FROM usage_in_flight WHERE request_id = ?", (record.request_id,)
-                        )
+                        self._insert_final(record)
                     else:
-                        self._conn.execute(
-                            f"INSERT OR REPLACE INTO usage_in_flight ({_COLUMNS}) VALUES ({_PLACEHOLDERS})",
-                            astuple(record),
-                        )
+                        self._insert_checkpoint(record)
                 self._conn.execute("COMMIT")
             except sqlite3.Error:
                 # Keep the writer alive: losing a batch is logged loudly, stopping metering would be worse.
                 logger.exception("could not write %d usage records", len(ops))
                 if self._conn.in_transaction:
                     self._conn.execute("ROLLBACK")
+                return
+        callback = self._on_outbox
+        if callback is not None and any(kind == _FINAL for kind, _ in ops):
+            callback()

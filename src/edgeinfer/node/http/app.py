@@ -19,6 +19,7 @@ from edgeinfer.node.billing.prices import PriceTable
 from edgeinfer.node.billing.ratelimit import RateLimiter
 from edgeinfer.node.config import NodeConfig
 from edgeinfer.node.fleet_status import StatusPublisher
+from edgeinfer.node.fleet_usage import UsagePublisher
 from edgeinfer.node.http import (
     openapi_schema,
     routes_embeddings,
@@ -79,7 +80,8 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
     metrics = NodeMetrics(engine_source=lambda: engine_gauges(pool))
     metrics.pool_budget_bytes.set(pool.budget_bytes or 0)
     pool.add_listener(_PoolMetrics(metrics))
-    store = UsageStore(config.usage_db)
+    # A node on NATS queues every usage row as an event for the fleet ledger (docs/server.md, Fleet ledger).
+    store = UsageStore(config.usage_db, node_id=config.node_id if config.nats_url else None)
     service = NodeService(
         limits=config.limits,
         pool=pool,
@@ -95,7 +97,10 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         checkpoints = asyncio.create_task(service.checkpoint_usage(config.usage_checkpoint_s))
         publisher = StatusPublisher(config, pool) if config.nats_url else None
+        usage = UsagePublisher(store, config.nats_url, config.node_id) if config.nats_url else None
         try:
+            if usage is not None:
+                await usage.start()  # first: events a crash left behind go out while models load
             await pool.preload(config.preload)
             if publisher is not None:
                 await publisher.start()
@@ -108,6 +113,8 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
             checkpoints.cancel()
             if publisher is not None:
                 await publisher.stop()
+            if usage is not None:
+                await usage.stop()
             await pool.shutdown()
             await asyncio.to_thread(store.close)
 
