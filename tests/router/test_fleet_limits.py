@@ -122,8 +122,8 @@ async def test_tokens_are_reserved_then_settled_by_the_nodes_usage_event(three: 
     assert isinstance(await _try(second, tenant, "next", 400), ApiError)  # 800 + 400 > 1000
     admission.end(200)
     usage = dict(tenant="alice", model="m", endpoint="/v1/completions", status=200, cost_units=0.0, ts=1.0)
-    first.settle(UsageEvent(request_id="big", node_id="n1", input_tokens=50, cached_input_tokens=0,
-                            output_tokens=50, **usage))  # fmt: skip
+    first.settle(UsageEvent(request_id="cmpl-1", node_id="n1", input_tokens=50, cached_input_tokens=0,
+                            output_tokens=50, http_request_id="big", **usage))  # fmt: skip
     await asyncio.sleep(0.5)  # the first router's surplus goes back once idle
     assert not isinstance(await _try(second, tenant, "next2", 400), ApiError)
 

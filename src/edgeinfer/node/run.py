@@ -102,6 +102,7 @@ class RequestRun:
                 self._record(status),
                 ttft_ms=None if ttft is None else round(ttft * 1000, 3),
                 duration_ms=round((time.monotonic() - self.job.arrival) * 1000, 3),
+                http_request_id=self.access.get("request_id"),
             )
         )
 

@@ -20,7 +20,9 @@ _STRS = ("request_id", "node_id", "tenant", "model", "endpoint")
 class UsageEvent:
     """What one request consumed on one node. `event_id` (`<node_id>/<request_id>`) is the idempotency
     key: the same event delivered twice is billed once. `ts`: unix seconds when the request ended;
-    `ttft_ms` / `duration_ms`: its first token and its whole time on the node (None where unknown)."""
+    `ttft_ms` / `duration_ms`: its first token and its whole time on the node (None where unknown);
+    `http_request_id`: the HTTP request's `x-request-id` (a router's own, behind a router), by which
+    the router that admitted the request settles its token reservation (None where unknown)."""
 
     request_id: str
     node_id: str
@@ -35,6 +37,7 @@ class UsageEvent:
     ts: float
     ttft_ms: float | None = None
     duration_ms: float | None = None
+    http_request_id: str | None = None
 
     @property
     def event_id(self) -> str:
@@ -71,7 +74,12 @@ class UsageEvent:
             name: _number(raw, name, optional=name in ("ttft_ms", "duration_ms"))
             for name in ("cost_units", "ts", "ttft_ms", "duration_ms")
         }
-        return cls(**{name: raw[name] for name in (*_STRS, *_INTS)}, **numbers)
+        http_request_id = raw.get("http_request_id")
+        if http_request_id is not None and not isinstance(http_request_id, str):
+            raise ValueError(f"usage event {raw['request_id']}: http_request_id must be a string")
+        return cls(
+            **{name: raw[name] for name in (*_STRS, *_INTS)}, **numbers, http_request_id=http_request_id
+        )
 
 
 def _number(raw: dict[str, Any], name: str, optional: bool) -> float | None:

@@ -99,9 +99,11 @@ class UsageRecord:
     cached_input_tokens: int
     output_tokens: int
     cost_units: float
-    # For the fleet ledger's event only (the usage table keeps its columns): first token and whole time.
+    # For the fleet ledger's event only (the usage table keeps its columns): first token and whole time,
+    # and the HTTP request's id (`x-request-id`), by which the router that admitted it settles its limits.
     ttft_ms: float | None = None
     duration_ms: float | None = None
+    http_request_id: str | None = None
 
     def row(self) -> tuple[Any, ...]:
         """The values of the usage table's columns, in their order."""
@@ -122,6 +124,7 @@ class UsageRecord:
             ts=self.ts,
             ttft_ms=self.ttft_ms,
             duration_ms=self.duration_ms,
+            http_request_id=self.http_request_id,
         )
 
 

@@ -130,20 +130,29 @@ class FleetLimiter:
         leases = self._leases(tenant)
         now = self._clock()
         window = self.window(now)
+        fleet = True
         try:
             if not self._connected():
                 raise StoreUnavailable("not connected to NATS")
             async with asyncio.timeout(self.config.op_timeout_s):
-                admission = await self._admit_fleet(leases, request_id, tokens, window, now)
+                await self._take_fleet(leases, tokens, window, now)
         except (StoreUnavailable, TimeoutError) as exc:
-            admission = self._admit_locally(leases, request_id, tokens, window, now, exc)
+            self._take_locally(leases, tokens, window, now, exc)
+            fleet = False
+        admission = FleetAdmission(
+            limiter=self,
+            request_id=request_id,
+            leases=leases,
+            window=window,
+            tokens=tokens,
+            fleet=fleet,
+            slot=tenant.limits.max_concurrent is not None,
+        )
         self._metrics.tenant_admitted.labels(tenant.name, "fleet" if admission.fleet else "router").inc()
         self._pending[request_id] = admission
         return admission
 
-    async def _admit_fleet(
-        self, leases: _TenantLeases, request_id: str, tokens: int, window: int, now: float
-    ) -> FleetAdmission:
+    async def _take_fleet(self, leases: _TenantLeases, tokens: int, window: int, now: float) -> None:
         taken: list[tuple[WindowLease, int]] = []
         checks = ((leases.requests, 1, "requests"), (leases.tokens, tokens, "tokens"))
         try:
@@ -159,26 +168,10 @@ class FleetLimiter:
             for lease, amount in taken:
                 lease.put_back(amount, window)
             raise
-        slot = leases.slots is not None
-        return FleetAdmission(
-            limiter=self,
-            request_id=request_id,
-            leases=leases,
-            window=window,
-            tokens=tokens,
-            fleet=True,
-            slot=slot,
-        )
 
-    def _admit_locally(
-        self,
-        leases: _TenantLeases,
-        request_id: str,
-        tokens: int,
-        window: int,
-        now: float,
-        cause: BaseException,
-    ) -> FleetAdmission:
+    def _take_locally(
+        self, leases: _TenantLeases, tokens: int, window: int, now: float, cause: BaseException
+    ) -> None:
         """The bucket is out: the tenant's policy decides (OutagePolicy)."""
         tenant = leases.tenant
         self._metrics.limiter_outages.inc()
@@ -188,6 +181,9 @@ class FleetLimiter:
         if tenant.limits.on_outage is OutagePolicy.CLOSED:
             self._metrics.tenant_rejected.labels(tenant.name, "outage").inc()
             raise unavailable("the fleet's rate limits cannot be checked right now; retry shortly", 1.0)
+        limit = tenant.limits.max_concurrent
+        if limit is not None and leases.local_in_use >= limit:
+            raise self._over(tenant, "concurrent requests", limit, 1, now)
         checks = ((leases.local_requests, 1, "requests"), (leases.local_tokens, tokens, "tokens"))
         taken: list[tuple[LocalWindow, int]] = []
         for local, amount, what in checks:
@@ -198,22 +194,7 @@ class FleetLimiter:
                     done.put_back(n, window)
                 raise self._over(tenant, what, local.limit, amount, now)
             taken.append((local, amount))
-        limit = tenant.limits.max_concurrent
-        if limit is not None and leases.local_in_use >= limit:
-            for done, n in taken:
-                done.put_back(n, window)
-            raise self._over(tenant, "concurrent requests", limit, 1, now)
-        slot = limit is not None
-        leases.local_in_use += slot
-        return FleetAdmission(
-            limiter=self,
-            request_id=request_id,
-            leases=leases,
-            window=window,
-            tokens=tokens,
-            fleet=False,
-            slot=slot,
-        )
+        leases.local_in_use += limit is not None
 
     def _over(self, tenant: Tenant, what: str, limit: int, amount: int, now: float) -> ApiError:
         self._metrics.tenant_rejected.labels(tenant.name, what).inc()
@@ -256,8 +237,10 @@ class FleetLimiter:
         """A node's usage event for a request this router admitted: its tokens replace the reservation
         (the difference goes back to, or comes out of, the window it was admitted in), and the tenant's
         billed series count it."""
-        admission = self._pending.pop(event.request_id, None)
-        if admission is None:
+        if event.http_request_id is None:
+            return
+        admission = self._pending.pop(event.http_request_id, None)
+        if admission is None:  # another router's request, or a redelivered event
             return
         tenant = admission.leases.tenant.name
         self._metrics.tenant_billed_tokens.labels(tenant).inc(event.total_tokens)
