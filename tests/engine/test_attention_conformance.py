@@ -170,3 +170,31 @@ def test_latent_attention_equals_dense_reference(device, backend_name, mode, kv_
         ref = _mla_reference(MLA, q_nope[rows], q_pe[rows], stored, kv_b, q_pos, scale)
         torch.testing.assert_close(out[rows].double(), ref, atol=5e-5, rtol=1e-4, msg=f"sequence {i}")
     _assert_null_block_untouched(storage)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("window", [5, 130])
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_windowed_prefill_over_contexts_many_windows_long_equals_dense(kv_dtype, window, softcap) -> None:
+    """Prefills far longer than the window and than a tile of query rows: a fresh 300-token prompt and a
+    150-token chunk continuing at 200 tokens read only the keys their window reaches, tile by tile."""
+    g = torch.Generator().manual_seed(1)
+    fresh = Seq(list(range(1, 76)), cached=0, new=300)
+    chunk = Seq(list(range(76, 164)), cached=200, new=150)
+    seqs = [fresh, chunk]
+    storage = KVCacheStorage(KVSpec(1, HKV, D, HKV, D), 170, BS, torch.float32, torch.device("cpu"), kv_dtype)
+    backend = get_attention_backend("torch", storage)
+    prior = torch.tensor(_slots(chunk, range(chunk.cached)))
+    storage.write(0, prior, *(torch.randn(len(prior), HKV, D, generator=g) for _ in "kv"))
+    meta = _meta(seqs, "cpu")
+    t = len(meta.slot_mapping)
+    q, k, v = (torch.randn(t, h, D, generator=g) for h in (HQ, HKV, HKV))
+    backend.begin(meta)
+    out = backend.attend(0, q, k, v, scale=D**-0.5, window=window, softcap=softcap)
+    for i, s in enumerate(seqs):
+        kc, vc = storage.gather(0, torch.tensor(s.table))
+        rows = slice(meta.query_starts[i], meta.query_starts[i] + s.new)
+        ref = _dense(
+            q[rows], kc[: s.ctx], vc[: s.ctx], torch.arange(s.cached, s.ctx), D**-0.5, window, softcap
+        )
+        torch.testing.assert_close(out[rows].double(), ref, atol=2e-5, rtol=1e-4, msg=f"sequence {i}")

@@ -73,3 +73,27 @@ def test_paged_logits_match_transformers_within_1e3(family, tiny_models, hf_mode
             backend.begin(meta(p, 1))
             outs.append(model.compute_logits(model(ids[p : p + 1], torch.tensor([p]), backend)))
     assert (torch.cat(outs) - ref).abs().max().item() < 1e-3
+
+
+def test_gemma3_at_contexts_many_windows_long_matches_transformers(tiny_models, hf_models, engine_factory):
+    """Gemma 3's sliding layers (window 8) over a 300-token prompt, far past the window and past a tile of
+    query rows: prefilled whole, in 48-token chunks, and as a prefix hit whose cached part ends inside a
+    window; greedy tokens equal HF's and every chosen token's logprob is HF's."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 380, (300,), generator=g).tolist()
+    expected = hf_greedy(hf_models["gemma3"], prompt, 12)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_models["gemma3"](torch.tensor([prompt + expected])).logits[0].float(), -1)
+    whole = engine_factory(tiny_models["gemma3"], num_kv_blocks=512)
+    chunked = engine_factory(
+        tiny_models["gemma3"], num_kv_blocks=512, max_num_batched_tokens=48, max_step_ms=None
+    )
+    cached = engine_factory(tiny_models["gemma3"], num_kv_blocks=512)
+    cached.generate([prompt[:203]], SamplingParams(max_tokens=1, temperature=0.0))  # 50 blocks of 4 cached
+    for engine in (whole, chunked, cached):
+        (res,) = engine.generate([prompt], sp)
+        assert res.token_ids == expected
+        ours = [lp for o in res.outputs for lp in o.logprobs]
+        for i, lp in enumerate(ours):
+            assert abs(lp.logprob - ref[len(prompt) - 1 + i, lp.token_id].item()) < 1e-4

@@ -1,7 +1,10 @@
 """Paged attention with torch SDPA: works on CPU and CUDA, no custom kernels.
 
 Decodes (one query token per sequence) are attended in one padded batch; prefill chunks one sequence
-at a time, directly on the new K/V when the chunk is the whole context (no cache gather).
+at a time, directly on the new K/V when the chunk is the whole context (no cache gather). A prefill of a
+sliding-window layer reads only the keys its window reaches (the cache from the block holding the
+chunk's first reachable key) and attends in tiles of query rows, each over its own rows and the window
+before them, so such a layer costs the window per token however long the context is.
 """
 
 from __future__ import annotations
@@ -13,11 +16,18 @@ from edgeinfer.engine.attention.backend import AttentionBackend
 from edgeinfer.engine.attention.metadata import AttentionMetadata
 from edgeinfer.engine.kernels import ops
 
+# A windowed layer's prefill attends in tiles of max(window, MIN_TILE) query rows: a tile reads its rows'
+# keys and the window before them, so larger tiles read less per row, smaller ones compute less of what
+# the band mask then throws away.
+MIN_TILE = 128
 
-def _mask(q_pos: torch.Tensor, ctx_len: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
-    """Bool mask [..., q, length]: key j visible to query at q_pos iff j <= q_pos, j < ctx_len and
-    (with a window) q_pos - j < window."""
-    k_pos = torch.arange(length, device=q_pos.device)
+
+def _mask(
+    q_pos: torch.Tensor, ctx_len: torch.Tensor, length: int, window: int | None, first_key: int = 0
+) -> torch.Tensor:
+    """Bool mask [..., q, length] over keys at positions first_key .. first_key + length - 1: key j
+    visible to query at q_pos iff j <= q_pos, j < ctx_len and (with a window) q_pos - j < window."""
+    k_pos = torch.arange(first_key, first_key + length, device=q_pos.device)
     visible = (k_pos <= q_pos.unsqueeze(-1)) & (k_pos < ctx_len.unsqueeze(-1).unsqueeze(-1))
     if window is not None:
         visible &= q_pos.unsqueeze(-1) - k_pos < window
@@ -45,6 +55,26 @@ def _sdpa(
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+
+
+def _attend_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [n, Hq, D] over k/v [S, Hkv, D] (token-major, as the cache and the projections lay them out)."""
+    out = _sdpa(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        mask,
+        scale,
+        softcap,
+    )
+    return out.squeeze(0).transpose(0, 1)
 
 
 def _grouped_decode(
@@ -140,25 +170,43 @@ class TorchPagedBackend(AttentionBackend):
 
     def _prefill(self, layer, i, q, k, v, meta: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
         n, ctx = meta.query_lens[i], meta.context_lens[i]
-        mask = None
+        windowed = window is not None and window < ctx
+        # the first key any query of the chunk sees, rounded down to its block where it is read from cache
+        first = max(0, ctx - n - window + 1) if windowed else 0
         # With a quantized cache, attend to what was stored even for a fresh prompt, so that a prefix-cache
         # hit (which can only read stored values) computes exactly what the miss did.
         if ctx != n or not self.storage.lossless:
-            n_blocks = -(-ctx // meta.block_size)
-            k, v = self.storage.gather(layer, meta.block_tables[i, :n_blocks])
-            k, v = k[:ctx], v[:ctx]
-        if ctx != n or (window is not None and window < ctx):
-            key = ("prefill", i, window)
+            first -= first % meta.block_size
+            blocks = meta.block_tables[i, first // meta.block_size : -(-ctx // meta.block_size)]
+            k, v = self.storage.gather(layer, blocks)
+            k, v = k[: ctx - first], v[: ctx - first]
+        else:
+            k, v = k[first:], v[first:]
+        if windowed:
+            return self._windowed(
+                q, k, v, ctx - n, first, window, scale, softcap, meta.cache, ("tile", i, window)
+            )
+        mask = None
+        if ctx != n:
+            key = ("prefill", i)
             if key not in meta.cache:
                 q_pos = torch.arange(ctx - n, ctx, device=q.device)
-                meta.cache[key] = _mask(q_pos, torch.tensor(ctx, device=q.device), ctx, window)
+                meta.cache[key] = _mask(q_pos, torch.tensor(ctx, device=q.device), ctx, None)
             mask = meta.cache[key]
-        out = _sdpa(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            mask,
-            scale,
-            softcap,
-        )
-        return out.squeeze(0).transpose(0, 1)
+        return _attend_rows(q, k, v, mask, scale, softcap)
+
+    def _windowed(self, q, k, v, q_start, k_start, window, scale, softcap, cache, key) -> torch.Tensor:
+        """Queries at positions q_start.. over keys at k_start.., each seeing the `window` keys up to itself,
+        a tile of rows at a time (module docstring)."""
+        n = q.shape[0]
+        tile = max(window, MIN_TILE)
+        out = torch.empty(n, q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+        for a in range(0, n, tile):
+            b = min(n, a + tile)
+            lo, hi = max(k_start, q_start + a - window + 1), q_start + b
+            if (key, a) not in cache:
+                q_pos = torch.arange(q_start + a, q_start + b, device=q.device)
+                cache[(key, a)] = _mask(q_pos, torch.tensor(hi, device=q.device), hi - lo, window, lo)
+            rows = slice(lo - k_start, hi - k_start)
+            out[a:b] = _attend_rows(q[a:b], k[rows], v[rows], cache[(key, a)], scale, softcap)
+        return out
