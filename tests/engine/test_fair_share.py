@@ -112,12 +112,28 @@ def test_the_step_budget_follows_the_step_time_target() -> None:
     cfg = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=4096, max_step_ms=250.0)
     s = Scheduler(cfg, kv, lambda: 0.0)
     s.add_request(_req("a", 3000))
+    s.add_request(_req("b", 3000))  # a second request: the steps keep to the target
     assert s.schedule().num_tokens == 1024  # nothing measured yet: the maximum
     for tokens in (1024, 1, 300, 1, 600):  # steps cost 50 ms + 1 ms a token here
         s.observe_step(tokens, 0.050 + 0.001 * tokens)
     assert s.step_budget() == 200
     out = s.schedule()
     assert out.num_tokens == 200 and not out.chunks[0].sample
+
+
+def test_a_request_alone_takes_the_largest_chunk() -> None:
+    """Nothing else waiting and no other tenant present: chunking would only slow the lone prompt."""
+    now = [0.0]
+    kv = KVCacheManager(4096, 16)
+    cfg = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=4096, max_step_ms=250.0)
+    s = Scheduler(cfg, kv, lambda: now[0])
+    for tokens in (1, 300, 1, 600):  # 50 ms + 1 ms a token: 200 tokens fit the target
+        s.observe_step(tokens, 0.050 + 0.001 * tokens)
+    lone = _req("a", 3000)
+    s.add_request(lone)
+    assert s.schedule().num_tokens == 1024
+    s.add_request(_req("b", 10))  # someone arrives: the next steps are short again
+    assert s.step_budget() == 200
 
 
 def test_a_second_tenant_present_shortens_the_steps() -> None:
@@ -134,7 +150,7 @@ def test_a_second_tenant_present_shortens_the_steps() -> None:
     for tokens in (1, 200, 1, 200):  # 50 ms + 1 ms a token
         s.observe_step(tokens, 0.050 + 0.001 * tokens)
     s.add_request(_req("a", 3000))
-    assert s.step_budget() == 200  # alone
+    assert s.step_budget() == 1024  # alone: the largest chunk
     quiet = _req("b", 10)
     s.add_request(quiet)
     assert s.step_budget() == 25  # b present: (75 - 50) ms buys 25 tokens
@@ -142,7 +158,7 @@ def test_a_second_tenant_present_shortens_the_steps() -> None:
     now[0] += 0.5
     assert s.step_budget() < 200  # b sent a moment ago: still present
     now[0] += 1.0
-    assert s.step_budget() == 200
+    assert s.step_budget() == 1024
 
 
 def test_a_tenant_filling_the_pool_gives_way_to_one_waiting_with_little() -> None:

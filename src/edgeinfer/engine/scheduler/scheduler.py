@@ -14,7 +14,9 @@ token is not held back by someone else's long prompt.
 
 With `max_step_ms`, the step's token budget is what fits in that time by the cost of recent steps
 (step_cost.py), so that no request arriving while a step runs waits on more than one step-time of
-someone's long prompt. While more than one tenant is present (has requests, or had one in the last
+someone's long prompt. A request alone (nothing else unfinished, no other tenant present) takes the
+whole `max_num_batched_tokens` instead: small chunks only cost it (each re-reads its context), and a
+newcomer then waits for at most one such step. While more than one tenant is present (has requests, or had one in the last
 `PRESENCE_S`: interactive users send again soon), the shorter `shared_step_ms` holds: a tenant's first
 token then waits for little of another's prefill, which pays in prefill throughput (smaller chunks).
 """
@@ -135,9 +137,10 @@ class Scheduler:
         """Tokens this step may schedule: the configured maximum, or what fits in the step-time target."""
         highest = self.config.max_num_batched_tokens
         target = self.config.max_step_ms
-        if self.config.shared_step_ms is not None and self._tenants_present() > 1:
+        present = self._tenants_present()
+        if self.config.shared_step_ms is not None and present > 1:
             target = self.config.shared_step_ms
-        if target is None:
+        if target is None or (len(self.requests) <= 1 and present <= 1):
             return highest
         lowest = min(highest, len(self.running) + MIN_PREFILL_CHUNK)
         return self.cost.tokens_within(target / 1000.0, lowest, highest)
