@@ -1,7 +1,7 @@
 """The fleet ledger under faults, with real processes: a node (`--nats-url`) killed with -9 in the middle of a
 stream and started again, the NATS server killed and started again under load, and `edgeinfer ledger`. After
-all of it the ledger holds exactly the node's own usage rows, request by request: completed requests as they
-were, the interrupted one as the node's 599 row, none twice."""
+all of it the ledger holds exactly the node's own usage rows, request by request: completed requests as their
+clients saw them (the answers' usage), the interrupted one as the node's 599 row, none twice."""
 
 from __future__ import annotations
 
@@ -38,9 +38,13 @@ def _read(db: Path, sql: str) -> list[tuple]:
         return conn.execute(sql).fetchall()
 
 
-def _complete(url: str, max_tokens: int = 8) -> None:
+def _complete(url: str, max_tokens: int = 8) -> tuple[str, tuple[int, int]]:
+    """A completed request: its id and the (prompt, completion) tokens its answer reported."""
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True}
-    assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+    answer = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200
+    usage = answer.json()["usage"]
+    return answer.json()["id"], (usage["prompt_tokens"], usage["completion_tokens"])
 
 
 def _kill_mid_stream(node: NodeProc, db: Path, tokens: int = 20) -> None:
@@ -97,19 +101,17 @@ def test_a_killed_node_and_a_restarted_nats_lose_nothing_and_bill_nothing_twice(
     try:
         node.start()
         node.wait_ready()
-        for _ in range(3):
-            _complete(node.url)
+        seen = dict(_complete(node.url) for _ in range(3))
         server.kill()
         with ThreadPoolExecutor(1) as load:  # requests go on while NATS is down, and while it comes back
             done = load.submit(lambda: [_complete(node.url, 24) for _ in range(6)])
             _until_rows(node_db, 3 + 3)
             server.start()
-            done.result()
+            seen |= dict(done.result())
         _kill_mid_stream(node, node_db)
         node.start()
         node.wait_ready()
-        for _ in range(2):
-            _complete(node.url)
+        seen |= dict(_complete(node.url) for _ in range(2))
         _until_rows(node_db, 3 + 6 + 1 + 2)  # a response may leave before its row is committed
         billed = _until_the_ledger_has_the_node_rows(node_db, ledger_db)
         timings = _read(ledger_db, "SELECT status, ttft_ms, duration_ms FROM usage_events")
@@ -120,6 +122,8 @@ def test_a_killed_node_and_a_restarted_nats_lose_nothing_and_bill_nothing_twice(
         server.stop()
     statuses = sorted(row[0] for row in billed.values())
     assert statuses == [200] * 11 + [STATUS_INTERRUPTED], billed
+    # each completed request billed as its client saw it (columns: input tokens 5th, output tokens 7th)
+    assert {rid: (billed[rid][4], billed[rid][6]) for rid in seen} == seen
     (interrupted,) = [row for row in billed.values() if row[0] == STATUS_INTERRUPTED]
     assert 20 <= interrupted[6] < 3000
     assert all(ttft is not None and duration > 0 for status, ttft, duration in timings if status == 200)
