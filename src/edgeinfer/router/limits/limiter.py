@@ -239,9 +239,11 @@ class FleetLimiter:
         billed series count it."""
         if event.http_request_id is None:
             return
-        admission = self._pending.pop(event.http_request_id, None)
-        if admission is None:  # another router's request, or a redelivered event
+        admission = self._pending.get(event.http_request_id)
+        # another router's request, a redelivered event, or a client's id that another tenant also sent
+        if admission is None or admission.leases.tenant.name != event.tenant:
             return
+        del self._pending[event.http_request_id]
         tenant = admission.leases.tenant.name
         self._metrics.tenant_billed_tokens.labels(tenant).inc(event.total_tokens)
         self._metrics.tenant_billed_cost.labels(tenant).inc(event.cost_units)
