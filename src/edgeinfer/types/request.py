@@ -16,6 +16,15 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+class Lane(enum.StrEnum):
+    """Which work goes first: interactive requests always; batch requests fill what is left (seats, KV
+    blocks, each step's budget) and give their place back, preempted and later recomputed, when
+    interactive work needs it."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
 @dataclass
 class EngineRequest:
     """One generation request. `cache_namespace` is set by the server, never by a client;
@@ -28,6 +37,7 @@ class EngineRequest:
     tenant: str = ""
     model: str = ""
     priority: int = 0
+    lane: Lane = Lane.INTERACTIVE
     arrival_time: float = field(default_factory=time.monotonic)
     cache_namespace: str = ""
     tenant_weight: float = 1.0

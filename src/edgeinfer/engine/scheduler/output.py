@@ -35,6 +35,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # of `preempted`, the batch requests that gave their seat or blocks to an interactive one (admission
+    # goes on after those; after a preemption for lack of blocks it waits for the next step)
+    yielded: int = 0
     finished: list[str] = field(default_factory=list)  # requests the runner may forget (generators, ...)
 
     @property

@@ -1,4 +1,5 @@
-"""Waiting queues: FCFS and priority (lower value first, then arrival)."""
+"""Waiting queues: FCFS and priority (lower value first, then arrival); in both, every interactive request
+before any batch one (types.request.Lane)."""
 
 from __future__ import annotations
 
@@ -37,66 +38,73 @@ class WaitingQueue(ABC):
 
 
 class FCFSQueue(WaitingQueue):
+    """Arrival order within each lane, the interactive lane first."""
+
     def __init__(self) -> None:
-        self._q: deque[Request] = deque()
+        self._interactive: deque[Request] = deque()
+        self._batch: deque[Request] = deque()
+
+    def _lane(self, req: Request) -> deque[Request]:
+        return self._batch if req.is_batch else self._interactive
 
     def push(self, req: Request) -> None:
-        self._q.append(req)
+        self._lane(req).append(req)
 
     def push_front(self, req: Request) -> None:
-        self._q.appendleft(req)
+        self._lane(req).appendleft(req)
 
     def peek(self) -> Request:
-        return self._q[0]
+        return (self._interactive or self._batch)[0]
 
     def pop(self) -> Request:
-        return self._q.popleft()
+        return (self._interactive or self._batch).popleft()
 
     def remove(self, request_id: str) -> Request | None:
-        for req in self._q:
-            if req.request_id == request_id:
-                self._q.remove(req)
-                return req
+        for lane in (self._interactive, self._batch):
+            for req in lane:
+                if req.request_id == request_id:
+                    lane.remove(req)
+                    return req
         return None
 
     def __len__(self) -> int:
-        return len(self._q)
+        return len(self._interactive) + len(self._batch)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
+        return itertools.chain(self._interactive, self._batch)
 
 
 class PriorityQueue(WaitingQueue):
-    """Ordered by (priority, arrival); a preempted request keeps its original place."""
+    """Ordered by (lane, priority, arrival); a preempted request keeps its original place."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+        self._heap: list[tuple[bool, int, float, int, Request]] = []
         self._seq = itertools.count()
 
     def push(self, req: Request) -> None:
-        heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
+        heapq.heappush(self._heap, (req.is_batch, req.priority, req.arrival_time, next(self._seq), req))
 
     push_front = push
 
     def peek(self) -> Request:
-        return self._heap[0][3]
+        return self._heap[0][-1]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
+        return heapq.heappop(self._heap)[-1]
 
     def remove(self, request_id: str) -> Request | None:
         for i, item in enumerate(self._heap):
-            if item[3].request_id == request_id:
+            if item[-1].request_id == request_id:
                 self._heap.pop(i)
                 heapq.heapify(self._heap)
-                return item[3]
+                return item[-1]
         return None
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (item[3] for item in sorted(self._heap))
+        return (item[-1] for item in sorted(self._heap))
 
 
 class SchedulingPolicy(StrEnum):

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from edgeinfer.types import EngineRequest, FinishReason, SamplingParams
+from edgeinfer.types.request import Lane
 
 
 class RequestStatus(enum.Enum):
@@ -26,6 +27,7 @@ class Request:
     sampling: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
+    lane: Lane = Lane.INTERACTIVE
     arrival_time: float = 0.0
     cache_namespace: str = ""
     tenant: str = ""
@@ -48,6 +50,7 @@ class Request:
             sampling=req.sampling,
             eos_token_ids=frozenset() if req.sampling.ignore_eos else eos,
             priority=req.priority,
+            lane=req.lane,
             arrival_time=req.arrival_time,
             cache_namespace=req.cache_namespace,
             tenant=req.tenant,
@@ -68,6 +71,10 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose KV is not computed yet: 1 for a decoding request, more while it prefills."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_batch(self) -> bool:
+        return self.lane is Lane.BATCH
 
     @property
     def is_prefilling(self) -> bool:

@@ -6,6 +6,10 @@ blocks last. When a running request needs a block and none is free, the most rec
 (or, with the priority policy, the least important) unscheduled request is preempted: its blocks are
 freed and it is recomputed later from its tokens, which the prefix cache often still holds.
 
+Interactive requests come before batch ones everywhere (types.request.Lane): in the waiting queue, in
+each step's budget, and for seats and KV blocks, which a batch request gives up (preempted, recomputed
+later) when an interactive one needs them; batch work fills what is left.
+
 With `fair_share` (the default), prefill work — running requests still prefilling and waiting ones —
 is handed out across tenants by weighted fair share (fairness.py) instead of in arrival order across
 everyone; within a tenant, and under the priority policy across tenants, the old order holds. A step
@@ -16,9 +20,10 @@ With `max_step_ms`, the step's token budget is what fits in that time by the cos
 (step_cost.py), so that no request arriving while a step runs waits on more than one step-time of
 someone's long prompt. A request alone (nothing else unfinished, no other tenant present) takes the
 whole `max_num_batched_tokens` instead: small chunks only cost it (each re-reads its context), and a
-newcomer then waits for at most one such step. While more than one tenant is present (has requests, or had one in the last
-`PRESENCE_S`: interactive users send again soon), the shorter `shared_step_ms` holds: a tenant's first
-token then waits for little of another's prefill, which pays in prefill throughput (smaller chunks).
+newcomer then waits for at most one such step. While more than one tenant is present (has requests, or
+had one in the last `PRESENCE_S`: interactive users send again soon), the shorter `shared_step_ms` holds:
+a tenant's first token then waits for little of another's prefill, which pays in prefill throughput
+(smaller chunks).
 """
 
 from __future__ import annotations
@@ -155,7 +160,7 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled: set[str] = set()
         # Decodes (one token owed) before partial prefills; sorted() is stable, so arrival order holds.
-        ordered = sorted(self.running, key=lambda r: r.is_prefilling)
+        ordered = sorted(self.running, key=lambda r: (r.is_prefilling, r.is_batch))
         prefills = [r for r in ordered if r.is_prefilling]
         for req in ordered if not self.config.fair_share else ordered[: len(ordered) - len(prefills)]:
             if budget == 0:
@@ -165,7 +170,7 @@ class Scheduler:
         if self.config.fair_share:
             self._fair_prefill(prefills, budget, admit, scheduled, out)
         elif admit:
-            self._admit(budget, out)
+            self._admit(budget, scheduled, out)
         out.finished = self._finished
         self._finished = []
         return out
@@ -209,7 +214,7 @@ class Scheduler:
                 continue
             if not waiting:
                 n = self._continue(req, offer, scheduled, out)
-            elif out.preempted or len(self.running) >= self.config.max_num_seqs:
+            elif not self._seat_for(req, scheduled, out):
                 n = 0  # no seat (or blocks are short): waiting requests stay queued this step
             else:
                 n = self._admit_one(req, offer, out)
@@ -228,10 +233,37 @@ class Scheduler:
             self.fair.charge(tenant, n, req.weight)
             budget -= n
 
+    def _seat_for(self, req: Request, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Whether waiting `req` may be admitted now: a free seat and no preemption for blocks this step.
+        An interactive request takes a batch request's seat where none is free."""
+        if len(out.preempted) > out.yielded:
+            return False  # blocks are short: admitting now would preempt again
+        if len(self.running) < self.config.max_num_seqs:
+            return True
+        return not req.is_batch and self._preempt_batch(scheduled, out)
+
+    def _preempt_batch(self, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Preempt a batch request for an interactive one: the latest admitted of those not scheduled this
+        step, else of those scheduled (its chunk is taken out of the step); False: there is none."""
+        batch = [r for r in self.running if r.is_batch]
+        if not batch:
+            return False
+        victim = ([r for r in batch if r.request_id not in scheduled] or batch)[-1]
+        if victim.request_id in scheduled:
+            scheduled.discard(victim.request_id)
+            out.chunks = [c for c in out.chunks if c.request_id != victim.request_id]
+        self._preempt(victim)
+        out.preempted.append(victim.request_id)
+        out.yielded += 1
+        return True
+
     def _make_room(self, req: Request, scheduled: set[str], out: SchedulerOutput) -> bool:
-        """The pool is too short for `req`: preempt the latest unscheduled request of the tenant whose
-        running requests hold the most blocks, if that is more than `req`'s tenant would hold with it
-        admitted — a tenant filling the pool gives way to one waiting with little. False: no such one."""
+        """The pool is too short for `req`: an interactive request takes a batch request's blocks; else
+        preempt the latest unscheduled request of the tenant whose running requests hold the most blocks,
+        if that is more than `req`'s tenant would hold with it admitted — a tenant filling the pool gives
+        way to one waiting with little. False: no such one."""
+        if not req.is_batch and self._preempt_batch(scheduled, out):
+            return True
         held: Counter[str] = Counter()
         for r in self.running:
             held[r.tenant] += len(self.kv.tables.get(r.request_id, ()))
@@ -255,15 +287,18 @@ class Scheduler:
         """Per tenant, its prefill work in scheduling order: (request, is it waiting)."""
         items = [(r, False) for r in prefills] + [(r, True) for r in waiting]
         if self.config.policy.by_priority:
-            items.sort(key=lambda i: (i[0].priority, i[1], i[0].arrival_time))
+            items.sort(key=lambda i: (i[0].is_batch, i[0].priority, i[1], i[0].arrival_time))
+        else:
+            items.sort(key=lambda i: i[0].is_batch)  # stable: each lane keeps its order
         lanes: dict[str, deque[tuple[Request, bool]]] = {}
         for item in items:
             lanes.setdefault(item[0].tenant, deque()).append(item)
         return lanes
 
-    def _rank(self, req: Request) -> int:
-        """Priority classes come before fairness: a more important request goes first whoever sent it."""
-        return req.priority if self.config.policy.by_priority else 0
+    def _rank(self, req: Request) -> tuple[bool, int]:
+        """Lanes, then priority classes, come before fairness: interactive work, and then a more important
+        request, goes first whoever sent it."""
+        return req.is_batch, req.priority if self.config.policy.by_priority else 0
 
     def _allocate_or_preempt(
         self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput
@@ -280,6 +315,7 @@ class Scheduler:
 
     def _pick_victim(self, scheduled: set[str]) -> Request:
         candidates = [r for r in self.running if r.request_id not in scheduled]
+        candidates = [r for r in candidates if r.is_batch] or candidates  # batch work gives way first
         if self.config.policy.by_priority:
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]
@@ -306,9 +342,12 @@ class Scheduler:
             or self.clock() >= self.next_admission_time()
         )
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> None:
-        while len(self.waiting) and len(self.running) < self.config.max_num_seqs and budget > 0:
-            n = self._admit_one(self.waiting.peek(), budget, out)
+    def _admit(self, budget: int, scheduled: set[str], out: SchedulerOutput) -> None:
+        while len(self.waiting) and budget > 0 and self._seat_for(self.waiting.peek(), scheduled, out):
+            req = self.waiting.peek()
+            n = self._admit_one(req, budget, out)
+            while n is None and not req.is_batch and self._preempt_batch(scheduled, out):
+                n = self._admit_one(req, budget, out)
             if n is None:
                 break
             self.waiting.pop()
