@@ -18,7 +18,8 @@ FLAGS = [
     "--gptq", "enwiki", "--no-cpu-gemv", "--kv-cache-dtype", "int8", "--kv-cache-memory", "64MiB",
     "--max-model-len", "256", "--max-num-seqs", "3", "--max-num-batched-tokens", "96",
     "--max-step-ms", "0", "--shared-step-ms", "40",
-    "--batch-window-ms", "0", "--no-prefix-caching", "--no-tenant-shares", "--attention-backend", "torch",
+    "--batch-window-ms", "0", "--scheduling-policy", "priority",
+    "--no-prefix-caching", "--no-tenant-shares", "--attention-backend", "torch",
     "--mla-mode", "expand", "--compile", "--no-prepared-cache", "--cache-dir", "/tmp/edgeinfer-cache",
     "--threads", "3",
 ]  # fmt: skip
@@ -37,6 +38,7 @@ EXPECTED = EngineConfig(
     max_step_ms=None,
     shared_step_ms=40.0,
     batch_window_ms=0,
+    scheduling_policy="priority",
     enable_prefix_caching=False,
     cache_tenant_shares=False,
     fair_share=False,
@@ -48,12 +50,11 @@ EXPECTED = EngineConfig(
 )
 UNCALIBRATED = ["--quantization", "int8", "--no-calibrate"]
 # Fields no engine flag sets: the model (serve names a pool of them), the KV layout and pool size (tests and
-# benchmarks), the scheduling policy, and the public prefixes (serve's --public-prefixes file, per model).
+# benchmarks), and the public prefixes (serve's --public-prefixes file, per model).
 NOT_FLAGS = {
     "model",
     "block_size",
     "num_kv_blocks",
-    "scheduling_policy",
     "public_prefixes",
     "public_system_prompts",
     "attention_backend",  # one backend so far: no value differs from the default

@@ -51,6 +51,7 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     reject_if_busy: bool = False
+    priority: int = 0  # lower first, within the tenant's range (api/tenants.py)
     upstream_path: str = "/v1/completions"
     upstream_body: dict[str, Any] = field(default_factory=dict)
 

@@ -57,6 +57,7 @@ def completion_job(body: CompletionRequest, raw: dict[str, Any], limits: NodeLim
         stream=body.stream,
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         reject_if_busy=reject_if_busy(body),
+        priority=body.priority,
         upstream_path="/v1/completions",
         upstream_body=raw,
     )
@@ -96,6 +97,7 @@ def chat_job(body: ChatCompletionRequest, raw: dict[str, Any], limits: NodeLimit
         stream=body.stream,
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         reject_if_busy=reject_if_busy(body),
+        priority=body.priority,
         upstream_path="/v1/chat/completions",
         upstream_body=raw,
     )

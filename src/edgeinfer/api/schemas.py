@@ -30,6 +30,8 @@ _INTEGRAL = BeforeValidator(_integral)
 Int = Annotated[int, _INTEGRAL]
 Count = Annotated[int, Field(ge=1), _INTEGRAL]
 NonNegative = Annotated[int, Field(ge=0), _INTEGRAL]
+# vLLM's `priority`: lower runs first (with --scheduling-policy priority); the tenant's range bounds it
+Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1), _INTEGRAL]
 
 
 def _sampling_bound(name: str) -> Any:
@@ -147,6 +149,7 @@ class SamplingFields(_RequestBody):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     options: RequestOptions | None = None
+    priority: Priority = 0
 
 
 class CompletionRequest(SamplingFields):

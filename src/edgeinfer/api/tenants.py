@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgeinfer.api.errors import unauthorized
+from edgeinfer.api.errors import bad_request, unauthorized
 from edgeinfer.api.keys import hash_key
 from edgeinfer.api.prices import Price
 from edgeinfer.types.cache_salt import tenant_salt
@@ -23,6 +23,8 @@ _LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
 # share of cached KV blocks that eviction keeps for each tenant.
 _SHARE_FIELDS = ("weight", "cache_share")
 _OUTAGE_FIELD = "limits_on_outage"
+# The request `priority` a tenant may set (lower runs first): [0, 0] unless its entry widens it.
+_PRIORITY_FIELDS = ("min_priority", "max_priority")
 
 
 class OutagePolicy(enum.StrEnum):
@@ -64,6 +66,16 @@ class Tenant:
     prices: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     weight: float = 1.0
     cache_share: float = 1.0
+    min_priority: int = 0
+    max_priority: int = 0
+
+    def check_priority(self, priority: int) -> None:
+        """ApiError 400 for a request `priority` outside the tenant's range."""
+        if not self.min_priority <= priority <= self.max_priority:
+            raise bad_request(
+                f"priority {priority} is outside this key's range [{self.min_priority}, {self.max_priority}]",
+                "priority",
+            )
 
 
 def cache_namespace(secret: bytes, tenant: str) -> str:
@@ -139,7 +151,8 @@ def _parse_entry(entry: Any, index: int, secret: bytes) -> tuple[str, Tenant]:
     where = f"tenants[{index}]"
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: must be a table/object")
-    unknown = set(entry) - {"name", "key_sha256", "prices", _OUTAGE_FIELD, *_LIMIT_FIELDS, *_SHARE_FIELDS}
+    known = {"name", "key_sha256", "prices", _OUTAGE_FIELD, *_LIMIT_FIELDS, *_SHARE_FIELDS, *_PRIORITY_FIELDS}
+    unknown = set(entry) - known
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
     name, key_hash = entry.get("name"), str(entry.get("key_sha256", "")).lower()
@@ -157,7 +170,15 @@ def _parse_entry(entry: Any, index: int, secret: bytes) -> tuple[str, Tenant]:
         Price.from_mapping(override, where=f"{where}.prices.{model}")  # validated now, applied when billing
     shares = {k: _share(entry[k], f"{where}.{k}") for k in _SHARE_FIELDS if k in entry}
     namespace = cache_namespace(secret, name)
-    return key_hash, Tenant(name=name, cache_namespace=namespace, limits=limits, prices=prices, **shares)
+    tenant = Tenant(
+        name=name,
+        cache_namespace=namespace,
+        limits=limits,
+        prices=prices,
+        **shares,
+        **_priorities(entry, where),
+    )
+    return key_hash, tenant
 
 
 def _share(value: Any, where: str) -> float:
@@ -173,3 +194,15 @@ def _outage(entry: dict[str, Any], where: str) -> OutagePolicy:
     except ValueError:
         known = ", ".join(OutagePolicy)
         raise ValueError(f"{where}.{_OUTAGE_FIELD}: must be one of {known}, got {value!r}") from None
+
+
+def _priorities(entry: dict[str, Any], where: str) -> dict[str, int]:
+    bounds = {k: entry.get(k, 0) for k in _PRIORITY_FIELDS}
+    for k, value in bounds.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}.{k}: must be an integer, got {value!r}")
+    if not bounds["min_priority"] <= 0 <= bounds["max_priority"]:
+        raise ValueError(
+            f"{where}: min_priority <= 0 <= max_priority (0, the default priority, is always allowed)"
+        )
+    return bounds

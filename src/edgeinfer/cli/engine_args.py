@@ -13,9 +13,11 @@ import argparse
 
 from edgeinfer.engine.attention.registry import ATTENTION_BACKENDS, MLA_MODES
 from edgeinfer.engine.config import DEFAULT_MODEL, EngineConfig
+from edgeinfer.engine.scheduler.queue import SchedulingPolicy
 from edgeinfer.pool.spec import parse_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)
 _DEFAULTS = EngineConfig()
 _UNQUANTIZED = ("none", "bf16", "")
 
@@ -72,6 +74,7 @@ def engine_config(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Engin
         max_step_ms=args.max_step_ms,
         shared_step_ms=args.shared_step_ms,
         batch_window_ms=args.batch_window_ms,
+        scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.prefix_caching,
         cache_tenant_shares=args.tenant_shares,
         fair_share=args.tenant_shares,
@@ -181,6 +184,13 @@ def _add_kv_and_batching(group: argparse._ActionsContainer) -> None:
         type=float,
         default=_DEFAULTS.batch_window_ms,
         help="admit requests arriving this close together as one batch; 0: at once (%(default)s)",
+    )
+    group.add_argument(
+        "--scheduling-policy",
+        default=_DEFAULTS.scheduling_policy,
+        choices=SCHEDULING_POLICIES,
+        help="fcfs: arrival order; priority: a request's `priority` first (lower first; tenants may set "
+        "it within their range), then arrival (%(default)s)",
     )
     group.add_argument(
         "--prefix-caching",

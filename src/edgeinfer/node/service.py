@@ -80,6 +80,7 @@ class NodeService:
         access.update(
             response_id=job.request_id, tenant=tenant.name, endpoint=job.endpoint, stream=job.stream
         )
+        tenant.check_priority(job.priority)
         model = self._resolve(job.model)
         access["model"] = model
         if self.pool.task(model) == EMBED:

@@ -63,6 +63,7 @@ class LocalBackend(Backend):
             sampling=with_changes(sampling, seed=choice_seed(sampling.seed, i)),
             tenant=self._tenant.name,
             model=self._member.name,
+            priority=job.priority,
             arrival_time=job.arrival,
             cache_namespace=self._tenant.cache_namespace,
             tenant_weight=self._tenant.weight,
