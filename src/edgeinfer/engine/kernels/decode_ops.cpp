@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -430,10 +431,11 @@ EDGEINFER_TARGET_BF16 void softmax_bf16x16(float* s, int64_t n) {
     _mm512_mask_storeu_ps(s + j, mask(j), round_bf16x16(_mm512_div_ps(_mm512_maskz_loadu_ps(mask(j), s + j), total)));
 }
 
-// out[g] = sum_j p[g][j] v_j for G query heads and the outputs [c0, c0 + 64) (lanes past dv masked off).
+// sums[g] = sum_j p[g * stride + j] v_j for G query heads, keys [0, n) of `v_rows`, and the outputs
+// [c0, c0 + 64) (lanes past dv masked off), in fp32.
 template <int G>
-EDGEINFER_TARGET_BF16 void weigh_values(const float* p, int64_t n, const uint16_t* const* v_rows, int64_t dv,
-                                        int64_t c0, c10::BFloat16* out) {
+EDGEINFER_TARGET_BF16 void weigh_values(const float* p, int64_t stride, int64_t n, const uint16_t* const* v_rows,
+                                        int64_t dv, int64_t c0, float* sums) {
   __mmask16 lanes[4];
   for (int c = 0; c < 4; ++c) {
     const int64_t left = std::clamp<int64_t>(dv - c0 - 16 * c, 0, 16);
@@ -446,12 +448,28 @@ EDGEINFER_TARGET_BF16 void weigh_values(const float* p, int64_t n, const uint16_
     __m512 vv[4];
     for (int c = 0; c < 4; ++c) vv[c] = edgeinfer_cpu::bf16x16_to_fp32(v_rows[j] + c0 + 16 * c, lanes[c]);
     for (int g = 0; g < G; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * n + j]);
+      const __m512 pg = _mm512_set1_ps(p[g * stride + j]);
       for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 4; ++c) _mm256_mask_storeu_epi16(out + g * dv + c0 + 16 * c, lanes[c], bf16_bits(acc[g][c]));
+    for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(sums + g * dv + c0 + 16 * c, lanes[c], acc[g][c]);
+}
+
+// The weighted values of `group` query heads over keys [0, n) (probabilities p, `stride` apart per head)
+// into fp32 sums [group, dv], G heads at a time.
+EDGEINFER_TARGET_BF16 void weigh_group(const float* p, int64_t stride, int64_t n, const uint16_t* const* v_rows,
+                                       int64_t group, int64_t dv, float* sums) {
+  const int heads = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+  for (int64_t g = 0; g < group; g += heads)
+    for (int64_t c0 = 0; c0 < dv; c0 += 64) {
+      if (heads == 4)
+        weigh_values<4>(p + g * stride, stride, n, v_rows, dv, c0, sums + g * dv);
+      else if (heads == 2)
+        weigh_values<2>(p + g * stride, stride, n, v_rows, dv, c0, sums + g * dv);
+      else
+        weigh_values<1>(p + g * stride, stride, n, v_rows, dv, c0, sums + g * dv);
+    }
 }
 
 // attend_group on AVX512-BF16, for head dims that are multiples of 32 (keys) and 16 (values).
@@ -459,24 +477,14 @@ EDGEINFER_TARGET_BF16 void attend_group_bf16(const uint16_t* q, int64_t group, c
                                              const uint16_t* const* v_rows, const DecodeShape& s, float scale,
                                              c10::BFloat16* out, std::vector<float>& buf) {
   const int64_t n = s.ctx - s.first;
-  buf.resize(group * n);
-  float* scores = buf.data();
+  buf.resize(group * (n + s.dv));
+  float *scores = buf.data(), *sums = scores + group * n;
   for (int64_t g = 0; g < group; ++g) {
     score_keys(q + g * s.d, k_rows, n, s.d, scale, scores + g * n);
     softmax_bf16x16(scores + g * n, n);
   }
-  const int heads = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
-  for (int64_t g = 0; g < group; g += heads)
-    for (int64_t c0 = 0; c0 < s.dv; c0 += 64) {
-      const float* p = scores + g * n;
-      c10::BFloat16* o = out + g * s.dv;
-      if (heads == 4)
-        weigh_values<4>(p, n, v_rows, s.dv, c0, o);
-      else if (heads == 2)
-        weigh_values<2>(p, n, v_rows, s.dv, c0, o);
-      else
-        weigh_values<1>(p, n, v_rows, s.dv, c0, o);
-    }
+  weigh_group(scores, n, n, v_rows, group, s.dv, sums);
+  for (int64_t i = 0; i < group * s.dv; ++i) out[i] = c10::BFloat16(sums[i]);
 }
 #endif
 
@@ -540,8 +548,74 @@ Values values_of(const at::Tensor& v_pool) {
           v_pool.size(2) * v_pool.size(3)};
 }
 
+#if EDGEINFER_X86
+// A sequence attending more keys than this (per KV head) is attended a chunk of keys at a time: the
+// scores and the weighted values of each chunk in parallel, the softmax over all of them, the chunks'
+// sums added in order. One long sequence then keeps every thread busy instead of one. The chunks follow
+// from its length alone, so its result does not depend on the batch it decodes in or the thread count.
+constexpr int64_t kKeyChunk = 2048;
+
+// One (sequence, KV head) of a step that has long sequences: its key and value rows, the scores of its
+// query heads [group, n], and each chunk's weighted values [chunks, group, dv].
+struct ChunkedHead {
+  int64_t b, h, chunks;
+  DecodeShape s;
+  std::vector<const uint16_t*> k, v;
+  std::vector<float> scores, sums;
+};
+
+void attend_chunked(const uint16_t* q16, const uint16_t* kb, const Values& vals, const int64_t* ids, int64_t width,
+                    std::vector<ChunkedHead>& heads, float scale, c10::BFloat16* out) {
+  std::vector<std::pair<int64_t, int64_t>> work;  // (head, chunk)
+  for (int64_t i = 0; i < static_cast<int64_t>(heads.size()); ++i)
+    for (int64_t c = 0; c < heads[i].chunks; ++c) work.emplace_back(i, c);
+  const auto n_of = [](const ChunkedHead& x) { return x.s.ctx - x.s.first; };
+  const auto group_of = [](const ChunkedHead& x) { return x.s.hq / x.s.hkv; };
+  const auto query = [&](const ChunkedHead& x) { return q16 + (x.b * x.s.hq + x.h * group_of(x)) * x.s.d; };
+  const int64_t items = static_cast<int64_t>(work.size());
+  at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {  // rows and scores, chunk by chunk
+    for (int64_t w = w0; w < w1; ++w) {
+      ChunkedHead& x = heads[work[w].first];
+      const int64_t n = n_of(x), j0 = work[w].second * kKeyChunk, j1 = std::min(n, j0 + kKeyChunk);
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t t = x.s.first + j;
+        const int64_t flat = ids[x.b * width + t / x.s.block_size] * x.s.block_size + t % x.s.block_size;
+        x.k[j] = kb + (flat * x.s.hkv + x.h) * x.s.d;
+        x.v[j] = vals.base + flat * x.s.v_token + x.h * x.s.dv;
+      }
+      for (int64_t g = 0; g < group_of(x); ++g)
+        score_keys(query(x) + g * x.s.d, x.k.data() + j0, j1 - j0, x.s.d, scale, x.scores.data() + g * n + j0);
+    }
+  });
+  at::parallel_for(0, static_cast<int64_t>(heads.size()), 1, [&](int64_t i0, int64_t i1) {  // softmax over all
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = n_of(heads[i]);
+      for (int64_t g = 0; g < group_of(heads[i]); ++g) softmax_bf16x16(heads[i].scores.data() + g * n, n);
+    }
+  });
+  at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {  // weighted values, chunk by chunk
+    for (int64_t w = w0; w < w1; ++w) {
+      ChunkedHead& x = heads[work[w].first];
+      const int64_t n = n_of(x), c = work[w].second, j0 = c * kKeyChunk, j1 = std::min(n, j0 + kKeyChunk);
+      weigh_group(x.scores.data() + j0, n, j1 - j0, x.v.data() + j0, group_of(x), x.s.dv,
+                  x.sums.data() + c * group_of(x) * x.s.dv);
+    }
+  });
+  for (const ChunkedHead& x : heads) {  // the chunks' sums in order
+    const int64_t size = group_of(x) * x.s.dv;
+    c10::BFloat16* o = out + (x.b * x.s.hq + x.h * group_of(x)) * x.s.dv;
+    for (int64_t i = 0; i < size; ++i) {
+      float sum = 0.f;
+      for (int64_t c = 0; c < x.chunks; ++c) sum += x.sums[c * size + i];
+      o[i] = c10::BFloat16(sum);
+    }
+  }
+}
+#endif
+
 // q [B, Hq, D], the new tokens' K/V already in the pools, attended over sequence b's `ctx[b]` tokens in
-// row b of `ids` [B, width] (window > 0: only the last `window` keys), one task per (sequence, KV head).
+// row b of `ids` [B, width] (window > 0: only the last `window` keys), one task per (sequence, KV head),
+// or a chunk of keys at a time where some sequence is long (attend_chunked).
 at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k_pool, const Values& vals, const int64_t* ids,
                             int64_t width, const int64_t* ctx, double scale, int64_t window) {
   const int64_t batch = q.size(0), hq = q.size(1), hkv = k_pool.size(2), dv = vals.dv;
@@ -552,6 +626,26 @@ at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k_pool, const
   const auto* q16 = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
   const float* q32 = qf.defined() ? qf.data_ptr<float>() : nullptr;
   auto out = at::empty({batch, hq, dv}, q.options());
+  const auto shape = [&](int64_t b) {
+    return DecodeShape{hq, hkv, k_pool.size(3), dv, k_pool.size(1), ctx[b],
+                       window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0, vals.token};
+  };
+#if EDGEINFER_X86
+  bool some_long = false;
+  for (int64_t b = 0; b < batch; ++b) some_long |= shape(b).ctx - shape(b).first > kKeyChunk;
+  if (vec.bf16_attention && some_long) {
+    std::vector<ChunkedHead> heads;
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t h = 0; h < hkv; ++h) {
+        const DecodeShape s = shape(b);
+        const int64_t n = s.ctx - s.first, chunks = (n + kKeyChunk - 1) / kKeyChunk, group = hq / hkv;
+        heads.push_back({b, h, chunks, s, std::vector<const uint16_t*>(n), std::vector<const uint16_t*>(n),
+                         std::vector<float>(group * n), std::vector<float>(chunks * group * dv)});
+      }
+    attend_chunked(q16, kb, vals, ids, width, heads, static_cast<float>(scale), out.data_ptr<at::BFloat16>());
+    return out;
+  }
+#endif
   // tasks split across threads only when the contexts are long enough to repay a parallel region
   const int64_t longest = *std::max_element(ctx, ctx + batch);
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(longest * (hq / hkv), 1));
@@ -559,8 +653,7 @@ at::Tensor attend_sequences(const at::Tensor& q, const at::Tensor& k_pool, const
     Rows rows;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / hkv, h = t % hkv;
-      const DecodeShape s{hq, hkv, k_pool.size(3), dv, k_pool.size(1), ctx[b],
-                          window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0, vals.token};
+      const DecodeShape s = shape(b);
       attend_head(q32 ? q32 + b * hq * s.d : nullptr, q16 + b * hq * s.d, kb, vals.base, ids + b * width, s, h,
                   static_cast<float>(scale), out.data_ptr<at::BFloat16>() + b * hq * dv, vec, rows);
     }
