@@ -198,42 +198,31 @@ def test_every_input_takes_the_kernels_where_they_have_avx512():
     assert KernelLimits.for_flags(frozenset({"avx2", "fma"})).decode_op_elements == 16_384
 
 
-@pytest.mark.parametrize("window", [0, 20])
-def test_bf16_decode_attention_matches_the_fp32_loops(ops, window):
-    """Gemma 3's shape (4 query heads of 256 per KV head), contexts around the 16-key tiles: the
-    `vdpbf16ps` scores and vector softmax against the fp32 loops of the AVX-512 level."""
-    if "avx512_bf16" not in kernels.cpu_flags():
-        pytest.skip("no AVX512-BF16 here")
-    ctxs = [1, 15, 16, 17, 200]
-    width = 13
+def _gemma_shaped(ctxs: list[int], width: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Block tables, K/V pools and queries of Gemma 3's shape (4 query heads of 256 per KV head)."""
     tables = torch.arange(1, 1 + len(ctxs) * width).reshape(len(ctxs), width)
     pools = [_bf16(1 + len(ctxs) * width, 16, 1, 256, seed=s) for s in (1, 2)]
-    q = _bf16(len(ctxs), 4, 256, seed=3)
-    lens = torch.tensor(ctxs)
-    try:
-        fast = ops.paged_decode(q, *pools, tables, lens, 256**-0.5, window)
-        ops.set_isa_cap("avx512")
-        loops = ops.paged_decode(q, *pools, tables, lens, 256**-0.5, window)
-    finally:
-        ops.set_isa_cap(kernels.ISA_LEVELS[-1])
-    # the same roundings (bf16 scores and probabilities); fp32 sums and e^x within a few ulps
-    assert _ulps_apart(fast, loops).max() <= 2 and (fast != loops).float().mean() < 0.02
+    return tables, pools, _bf16(len(ctxs), 4, 256, seed=3)
 
 
-def _long_pools(ctxs: list[int], width: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    tables = torch.arange(1, 1 + len(ctxs) * width).reshape(len(ctxs), width)
-    return tables, [_bf16(1 + len(ctxs) * width, 16, 1, 256, seed=s) for s in (1, 2)]
-
-
-@pytest.mark.parametrize("window", [0, 3000])
-def test_long_sequences_attend_chunk_by_chunk_as_the_fp32_loops_do(ops, window):
-    """Past 2,048 keys a sequence is attended a chunk of keys at a time (decode_ops.cpp, attend_chunked):
-    the same scores and probabilities as the one-pass loops, the chunks' sums added in order."""
+@pytest.mark.parametrize(
+    ("ctxs", "window", "ulps"),
+    [
+        # around the 16-key tiles
+        ([1, 15, 16, 17, 200], 0, 2),
+        ([1, 15, 16, 17, 200], 20, 2),
+        # past 2,048 keys, a chunk of keys at a time (decode_ops.cpp, attend_chunked): thousands of fp32
+        # terms summed in another order, a few ulps on outputs that nearly cancel
+        ([1, 2049, 5000], 0, 4),
+        ([1, 2049, 5000], 3000, 4),
+    ],
+)
+def test_bf16_decode_attention_matches_the_fp32_loops(ops, ctxs, window, ulps):
+    """The `vdpbf16ps` scores and vector softmax against the fp32 loops of the AVX-512 level: the same
+    roundings (bf16 scores and probabilities); fp32 sums and e^x in another order."""
     if "avx512_bf16" not in kernels.cpu_flags():
         pytest.skip("no AVX512-BF16 here")
-    ctxs = [1, 2049, 5000]
-    tables, pools = _long_pools(ctxs, 313)
-    q = _bf16(len(ctxs), 4, 256, seed=3)
+    tables, pools, q = _gemma_shaped(ctxs, -(-max(ctxs) // 16))
     lens = torch.tensor(ctxs)
     try:
         fast = ops.paged_decode(q, *pools, tables, lens, 256**-0.5, window)
@@ -241,16 +230,14 @@ def test_long_sequences_attend_chunk_by_chunk_as_the_fp32_loops_do(ops, window):
         loops = ops.paged_decode(q, *pools, tables, lens, 256**-0.5, window)
     finally:
         ops.set_isa_cap(kernels.ISA_LEVELS[-1])
-    # thousands of fp32 terms summed in another order: a few ulps on outputs that nearly cancel, and rarely
-    assert _ulps_apart(fast, loops).max() <= 4 and (fast != loops).float().mean() < 0.02
+    assert _ulps_apart(fast, loops).max() <= ulps and (fast != loops).float().mean() < 0.02
 
 
 def test_a_long_sequence_decodes_alike_alone_in_a_batch_and_on_any_thread_count(ops):
     """Its chunks follow from its length alone: the same bits alone, beside short sequences (which then go
     through the chunked path too), and on one thread or two."""
     ctxs = [5000, 17, 300]
-    tables, pools = _long_pools(ctxs, 313)
-    q = _bf16(len(ctxs), 4, 256, seed=3)
+    tables, pools, q = _gemma_shaped(ctxs, 313)
     together = ops.paged_decode(q, *pools, tables, torch.tensor(ctxs), 256**-0.5, 0)
     alone = [
         ops.paged_decode(q[i : i + 1], *pools, tables[i : i + 1], torch.tensor([c]), 256**-0.5, 0)
