@@ -7,6 +7,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -19,7 +20,6 @@ from edgeinfer.node.billing.prices import PriceTable
 from edgeinfer.node.billing.ratelimit import RateLimiter
 from edgeinfer.node.config import NodeConfig
 from edgeinfer.node.fleet_status import StatusPublisher
-from edgeinfer.node.fleet_usage import UsagePublisher
 from edgeinfer.node.http import (
     openapi_schema,
     routes_embeddings,
@@ -31,6 +31,9 @@ from edgeinfer.node.http.middleware import NodeMiddleware
 from edgeinfer.node.service import NodeService
 from edgeinfer.obs.metrics import EngineGauges, NodeMetrics
 from edgeinfer.pool.manager import ModelPool
+
+if TYPE_CHECKING:
+    from edgeinfer.node.fleet_usage import UsagePublisher
 
 logger = logging.getLogger("edgeinfer.node")
 # At shutdown, how long the requests the server cancelled have to close (each awaits its engine's answer to
@@ -97,7 +100,7 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         checkpoints = asyncio.create_task(service.checkpoint_usage(config.usage_checkpoint_s))
         publisher = StatusPublisher(config, pool) if config.nats_url else None
-        usage = UsagePublisher(store, config.nats_url, config.node_id) if config.nats_url else None
+        usage = _usage_publisher(store, config)
         try:
             if usage is not None:
                 await usage.start()  # first: events a crash left behind go out while models load
@@ -139,3 +142,13 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
         body_timeout_s=config.connections.body_timeout_s,
     )
     return app
+
+
+def _usage_publisher(store: UsageStore, config: NodeConfig) -> UsagePublisher | None:
+    """The usage events' publisher of a node on NATS (None without): imported only then, so that a node
+    without NATS does not load nats-py and aiohttp at its start."""
+    if not config.nats_url:
+        return None
+    from edgeinfer.node.fleet_usage import UsagePublisher
+
+    return UsagePublisher(store, config.nats_url, config.node_id)
