@@ -409,8 +409,13 @@ def outcome(r: Result) -> str:
 
 
 def cpu_cells(r: Result, name: str) -> str:
-    router = "" if name == "direct" else f"{r.cpu['router_cpu']:.0f}"
-    return f"{router} | {r.cpu['load_cpu']:.0f} | {r.cpu['core0']:.0f} / {r.cpu['core1']:.0f}"
+    """Router CPU % and µs of router CPU per answered request, stub + load CPU %, each core's busy %."""
+    router = per_request = ""
+    if name != "direct":
+        router = f"{r.cpu['router_cpu']:.0f}"
+        per_request = f"{r.cpu['router_cpu'] / 100 / r.rate * 1e6:.0f}" if r.rate else "–"
+    load = f"{r.cpu['load_cpu']:.0f} | {r.cpu['core0']:.0f} / {r.cpu['core1']:.0f}"
+    return f"{router} | {per_request} | {load}"
 
 
 def main() -> int:
@@ -486,20 +491,21 @@ def render(
             "read; headers = request written to the end of the response headers; added = TTFT through the "
             "router minus direct at the same concurrency. CPU columns: % of one "
             "core over the window, for the router process, for the stub + load process, and for each whole "
-            "core (anything else running shows there).",
+            "core (anything else running shows there); CPU µs/request: the router process's CPU time over "
+            "the window divided by the requests completed in it.",
             f"Command: `{command}`",
             "",
             "| target | streams | ok/failed | TTFT p50 / p99 ms | added p50 / p99 ms | headers p50 ms "
-            "| requests/s | router CPU % | stub+load CPU % | core 0 / 1 busy % |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| requests/s | router CPU % | router CPU µs/request | stub+load CPU % | core 0 / 1 busy % |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
             *stream_rows,
             "",
             "Routed requests/s on one core: the same closed loop with one-chunk streams (`max_tokens: 1`, "
             "the stub answers in one write), latency = request written to first body byte.",
             "",
             "| target | connections | ok/failed | requests/s | latency p50 / p99 ms | router CPU % "
-            "| stub+load CPU % | core 0 / 1 busy % |",
-            "|---|---|---|---|---|---|---|---|",
+            "| router CPU µs/request | stub+load CPU % | core 0 / 1 busy % |",
+            "|---|---|---|---|---|---|---|---|---|",
             *rate_rows,
         ]
     )

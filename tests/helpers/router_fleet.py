@@ -3,25 +3,27 @@ arguments. Imported from here, not from a conftest, so that any test directory r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import uvloop
 
 from edgeinfer.api.keys import hash_key
-from edgeinfer.router.app import create_router_app
+from edgeinfer.router.app import Router
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.fleet_file import Fleet
-from edgeinfer.router.server import uvicorn_config
-from helpers.uvicorn_thread import UvicornThread
+from edgeinfer.router.server import serve
 
 SECRET = b"router-test-secret-0123456789"
 KEYS = {"alice": "alice-key", "bob": "bob-key"}
@@ -79,6 +81,15 @@ class NodeProc:
                 self.kill()
 
 
+class RouterProc(NodeProc):
+    """`edgeinfer router *args` in its own process, as a user starts one (its `node_id`: a name for it)."""
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "edgeinfer.cli", "router", "--port", str(self.port), *self.args]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
 @dataclass
 class LoopbackFleet:
     workdir: Path
@@ -100,21 +111,34 @@ class LoopbackFleet:
 
 
 class RouterThread:
-    """A router app under uvicorn in a thread of the test process (its state is inspectable)."""
+    """A router serving on a loopback port from its own uvloop event loop, in a thread of the test process
+    (its state is inspectable)."""
 
     def __init__(self, config: RouterConfig, fleet: Fleet) -> None:
-        self.app = create_router_app(config, fleet)
-        server_config = uvicorn_config(self.app, "127.0.0.1", 0, log_level="warning")
-        self._thread = UvicornThread(server_config, "test-router")
+        self.router = Router(config, fleet)
         self.url = ""
+        self._loop = uvloop.new_event_loop()
+        self._stop = asyncio.Event()
+        self._listening = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-router", daemon=True)
+
+    def _run(self) -> None:
+        def listening(port: int) -> None:
+            self.url = f"http://127.0.0.1:{port}"
+            self._listening.set()
+
+        self._loop.run_until_complete(serve(self.router, "127.0.0.1", 0, self._stop, on_listening=listening))
+        self._loop.close()
 
     def start(self, timeout: float = 30.0) -> RouterThread:
-        self.url = self._thread.start(timeout)
+        self._thread.start()
+        if not self._listening.wait(timeout):
+            raise RuntimeError("the test router did not start")
         return self
 
     @property
     def service(self) -> Any:
-        return self.app.state.service
+        return self.router.service
 
     def wait_for_nodes(self, node_ids: set[str], timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
@@ -126,7 +150,8 @@ class RouterThread:
         raise AssertionError(f"router never heard from {node_ids - seen}")
 
     def stop(self) -> None:
-        self._thread.stop(20)
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(20)
 
 
 def one_node_fleet(node_id: str, url: str, location: str = "FRA") -> Fleet:

@@ -26,6 +26,7 @@ from edgeinfer.api.errors import (
 from edgeinfer.api.jobs import Job
 from edgeinfer.api.limits import NodeLimits
 from edgeinfer.api.tenants import Tenant, TenantRegistry
+from edgeinfer.api.usage import usage_body
 from edgeinfer.node.backends.base import Backend
 from edgeinfer.node.backends.embedding_run import (
     EmbeddingOutcome,
@@ -194,16 +195,7 @@ class NodeService:
         """The tenant's usage per model (everything appended so far is flushed first)."""
         await asyncio.to_thread(self.store.flush)
         rows = await asyncio.to_thread(self.store.summary, tenant.name, start, end)
-        keys = ("requests", "input_tokens", "cached_input_tokens", "output_tokens", "cost_units")
-        total = {key: sum(row[key] for row in rows) for key in keys}
-        return {
-            "object": "usage",
-            "tenant": tenant.name,
-            "start": start,
-            "end": end,
-            "data": rows,
-            "total": total,
-        }
+        return usage_body(tenant.name, start, end, rows)
 
 
 def _admit(limiter: RateLimiter, tenant: Tenant) -> Admission:

@@ -1,108 +1,112 @@
-"""The router's FastAPI application: `create_router_app(config, fleet)`."""
+"""One router: its fleet state, its service, and the data plane's entry point (`Router.handle`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import httpx
-from fastapi import FastAPI
 
-from edgeinfer import __version__
+from edgeinfer.api.errors import ApiError, unexpected
 from edgeinfer.api.files import load_table
-from edgeinfer.api.http import error_handlers
 from edgeinfer.api.tenants import TenantRegistry
-from edgeinfer.router import routes, status_page
-from edgeinfer.router.body_limit import BodyLimit
+from edgeinfer.router import routes
 from edgeinfer.router.breaker import CircuitBreaker
 from edgeinfer.router.bus import FleetBus
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.fleet_file import Fleet
+from edgeinfer.router.http_server import ClientConnection
 from edgeinfer.router.limits.tenants_check import tenants_digest
 from edgeinfer.router.metrics import RouterMetrics
-from edgeinfer.router.middleware import RequestIds
 from edgeinfer.router.placement import PlacementLoop
 from edgeinfer.router.proxy import Forwarder
 from edgeinfer.router.service import RouterService
 from edgeinfer.router.sources import PollSource
 from edgeinfer.router.state import FleetState
+from edgeinfer.router.wire import Request, error_reply
 
 logger = logging.getLogger("edgeinfer.router")
-# Forwards go through this many independent connection pools, in turn (same limits in total): httpcore's
-# pool walks all its connections (and, for each idle one, all of them again) on every request and every
-# response, so one pool of N connections costs O(N^2) per request, which dominates a busy router
-# (docs/benchmarks.md, router-latency, has what sharding bought).
-POOL_SHARDS = 64
 
 
-def create_router_app(config: RouterConfig, fleet: Fleet) -> FastAPI:
-    if config.location not in fleet.rtt:
-        raise ValueError(f"router location {config.location!r} is not a location of the fleet file")
-    # The router's registry only checks keys; cache namespaces are derived on the nodes.
-    namespace_key = secrets.token_bytes(32)
-    table = load_table(config.tenants_file) if config.tenants_file else None
-    if table is not None:
-        tenants = TenantRegistry.from_mapping(table, namespace_key)
-    else:
-        tenants = TenantRegistry.open(namespace_key)
-    state = FleetState(fleet, lambda: CircuitBreaker(config.breaker_failures, config.breaker_reset_s))
-    metrics = RouterMetrics(lambda: [(v.entry.node_id, v.breaker.state) for v in state.nodes.values()])
+class Router:
+    """Built from its config and fleet file; `start` connects it to the fleet (NATS or polling),
+    `protocol` makes the data plane's protocol for a client connection, `stop` lets go of everything."""
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        timeout = httpx.Timeout(config.idle_timeout_s, connect=config.connect_timeout_s)
-        limits = httpx.Limits(
-            max_connections=4096 // POOL_SHARDS, max_keepalive_connections=512 // POOL_SHARDS
+    def __init__(self, config: RouterConfig, fleet: Fleet) -> None:
+        if config.location not in fleet.rtt:
+            raise ValueError(f"router location {config.location!r} is not a location of the fleet file")
+        # The router's registry only checks keys; cache namespaces are derived on the nodes.
+        namespace_key = secrets.token_bytes(32)
+        self._table = load_table(config.tenants_file) if config.tenants_file else None
+        if self._table is not None:
+            self.tenants = TenantRegistry.from_mapping(self._table, namespace_key)
+        else:
+            self.tenants = TenantRegistry.open(namespace_key)
+        self.config = config
+        self.fleet = fleet
+        self.max_body_bytes = config.limits.max_body_bytes
+        self.state = FleetState(
+            fleet, lambda: CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
         )
-        async with contextlib.AsyncExitStack() as stack:
-            clients = [
-                await stack.enter_async_context(httpx.AsyncClient(timeout=timeout, limits=limits))
-                for _ in range(POOL_SHARDS)
-            ]
-            client = clients[0]  # status polls and placement requests
-            bus = FleetBus(config, state, metrics, tenants_digest(table)) if config.nats_url else None
-            source = bus if bus is not None else PollSource(state, client)
-            await source.start()
-            placement = None
-            if config.placement is not None and config.router_secret is not None:
-                placement = PlacementLoop(
-                    state, client, config.router_secret, config.placement, config.policy
-                )
-            forwarder = Forwarder(config, state, clients, metrics)
-            app.state.service = RouterService(
-                config,
-                tenants=tenants,
-                state=state,
-                forwarder=forwarder,
-                metrics=metrics,
-                placement=placement,
-                limiter=bus.limiter if bus is not None else None,
-            )
-            if placement is not None:
-                await placement.start()
-            app.state.ready = True
-            logger.info("router ready at %s; %d nodes in the fleet file", config.location, len(fleet.nodes))
-            try:
-                yield
-            finally:
-                app.state.ready = False
-                if placement is not None:
-                    await placement.stop()
-                await source.stop()
+        views = self.state.nodes.values()
+        self.metrics = RouterMetrics(lambda: [(v.entry.node_id, v.breaker.state) for v in views])
+        self.connections: set[ClientConnection] = set()
+        self.service: RouterService | None = None
+        self._stack = contextlib.AsyncExitStack()
 
-    app = FastAPI(
-        title="edgeinfer router",
-        version=__version__,
-        description="Routes OpenAI and Workers-AI requests to the best node of a fleet of locations.",
-        lifespan=lifespan,
-    )
-    app.state.ready = False
-    error_handlers.install(app)
-    app.include_router(routes.router)
-    app.include_router(status_page.router)
-    app.add_middleware(BodyLimit, max_body_bytes=config.limits.max_body_bytes)
-    app.add_middleware(RequestIds)  # the outermost: every answer has an id, errors of BodyLimit's too
-    return app
+    def protocol(self) -> ClientConnection:
+        return ClientConnection(self, self.connections)
+
+    async def start(self) -> None:
+        config = self.config
+        # Status polls and placement asks only: requests to nodes go through the data plane's pools.
+        client = await self._stack.enter_async_context(
+            httpx.AsyncClient(timeout=httpx.Timeout(config.idle_timeout_s, connect=config.connect_timeout_s))
+        )
+        bus = (
+            FleetBus(config, self.state, self.metrics, tenants_digest(self._table))
+            if config.nats_url
+            else None
+        )
+        source = bus if bus is not None else PollSource(self.state, client)
+        await source.start()
+        self._stack.push_async_callback(source.stop)
+        placement = None
+        if config.placement is not None and config.router_secret is not None:
+            placement = PlacementLoop(
+                self.state, client, config.router_secret, config.placement, config.policy
+            )
+        forwarder = Forwarder(config, self.state, self.metrics)
+        self._stack.callback(forwarder.close)
+        self.service = RouterService(
+            config,
+            tenants=self.tenants,
+            state=self.state,
+            forwarder=forwarder,
+            metrics=self.metrics,
+            placement=placement,
+            bus=bus,
+        )
+        if placement is not None:
+            await placement.start()
+            self._stack.push_async_callback(placement.stop)
+        self.service.ready = True
+        logger.info("router ready at %s; %d nodes in the fleet file", config.location, len(self.fleet.nodes))
+
+    async def stop(self) -> None:
+        if self.service is not None:
+            self.service.ready = False
+        await self._stack.aclose()
+
+    async def handle(self, request: Request, conn: ClientConnection) -> routes.Answer:
+        """Every request's answer: the route's, or its error in the route's envelope. An unexpected error is
+        a 500 naming the request id (the details go to the log), and the connection stays usable."""
+        assert self.service is not None
+        try:
+            return await routes.dispatch(self.service, request)
+        except ApiError as error:
+            return error_reply(error, request.path)
+        except Exception:
+            logger.exception("unhandled error on %s (request id %s)", request.path, request.request_id)
+            return error_reply(unexpected(request.request_id), request.path)

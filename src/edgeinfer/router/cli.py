@@ -31,6 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="router processes sharing the port (SO_REUSEPORT), each with its own fleet state (1)",
+    )
+    parser.add_argument(
         "--nats-url",
         default=None,
         metavar="URL",
@@ -92,15 +99,8 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from edgeinfer.router.app import create_router_app
+    from edgeinfer.router import server
     from edgeinfer.router.fleet_file import load_fleet
-    from edgeinfer.router.server import server_implementation, uvicorn_config
 
-    app = create_router_app(build_config(args), load_fleet(args.fleet))
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per forwarded request otherwise
-    loop, http = server_implementation()
-    logging.getLogger("edgeinfer.router").info("event loop %s, HTTP parser %s", loop, http)
-    uvicorn.Server(uvicorn_config(app, args.host, args.port)).run()
-    return 0
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per status poll otherwise
+    return server.run(build_config(args), load_fleet(args.fleet), args.host, args.port, args.workers)

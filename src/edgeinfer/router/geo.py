@@ -88,6 +88,7 @@ class RttTable:
             if seconds < 0:
                 raise ValueError(f"RTT {a}-{b} must be >= 0")
             self._matrix[frozenset((a, b))] = float(seconds)
+        self._known: dict[tuple[str, str], float] = {}  # every pair asked so far: the policy asks per request
 
     def __contains__(self, code: object) -> bool:
         return code in self.locations
@@ -97,10 +98,14 @@ class RttTable:
 
     def rtt(self, a: str, b: str) -> float:
         """KeyError for an unknown code."""
+        known = self._known.get((a, b))
+        if known is not None:
+            return known
         configured = self._matrix.get(frozenset((a, b)))
-        if configured is not None:
-            return configured
-        return self.network.rtt_s(self.locations[a], self.locations[b])
+        if configured is None:
+            configured = self.network.rtt_s(self.locations[a], self.locations[b])
+        self._known[(a, b)] = configured
+        return configured
 
     def nearest_first(self, origin: str) -> list[str]:
         """Every location code, nearest to `origin` first (ties by code, so the order is stable)."""

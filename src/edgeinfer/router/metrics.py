@@ -4,6 +4,7 @@ come from the fleet file, tenants from the tenants file, outcomes are HTTP statu
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -29,6 +30,7 @@ class RouterMetrics:
             ["location", "node", "outcome"],
             registry=r,
         )
+        self._routed: dict[tuple[str, str], Any] = {}
         self.spillovers = Counter(
             PREFIX + "spillovers",
             "Requests sent away from the nearest location with the model warm.",
@@ -98,7 +100,11 @@ class RouterMetrics:
         )
 
     def count(self, entry: NodeEntry, outcome: str) -> None:
-        self.routed.labels(entry.location, entry.node_id, outcome).inc()
+        key = (entry.node_id, outcome)
+        child = self._routed.get(key)
+        if child is None:  # labels() takes a lock and builds a key per call: once per node and outcome
+            child = self._routed[key] = self.routed.labels(entry.location, entry.node_id, outcome)
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

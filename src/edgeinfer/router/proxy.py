@@ -4,84 +4,89 @@ A node's answer is committed to the client when its response headers arrive with
 429 or 5xx (a node streams its headers only once the first token exists, so errors found on admission
 still come as a status). Until then, a connection failure, timeout, 5xx or 429 moves on to the next
 candidate; after it, a failure aborts the client's connection — a half-sent answer is never repeated.
+The body is relayed as it arrives, from the node connection's parser callbacks to the client's socket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import httpx
-from fastapi.responses import Response
-from starlette.requests import Request
-from starlette.responses import StreamingResponse
-from starlette.types import Message, Receive, Scope, Send
-
-from edgeinfer.api.errors import STATUS_CLIENT_CLOSED, ApiError, unavailable
-from edgeinfer.api.http.disconnect import ClientDisconnected, until_disconnect
+from edgeinfer.api.errors import ApiError, unavailable
 from edgeinfer.router.config import RouterConfig
+from edgeinfer.router.http_server import ClientConnection
 from edgeinfer.router.metrics import RouterMetrics
 from edgeinfer.router.policy import Candidate
 from edgeinfer.router.state import FleetState, NodeView
+from edgeinfer.router.upstream import NodeConnection, NodePool, UpstreamError
+from edgeinfer.router.wire import Reply, Request, head
 
 logger = logging.getLogger("edgeinfer.router")
 
-# Not forwarded either way: connection-level headers, the body length (the body is re-framed) and
-# what our own server sets again.
+# Not forwarded either way: connection-level headers, the body's framing (the router frames it again),
+# what the router sets itself, and the request id (each side gets the router's).
 HOP_BY_HOP = {
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "host",
-    "content-length",
-    "date",
-    "server",
+    b"connection",
+    b"keep-alive",
+    b"proxy-authenticate",
+    b"proxy-authorization",
+    b"te",
+    b"trailer",
+    b"transfer-encoding",
+    b"upgrade",
+    b"host",
+    b"content-length",
+    b"date",
+    b"server",
+    b"x-request-id",
 }
 
 
 @dataclass(kw_only=True)
 class Forward:
-    """One request to forward: the body as the client sent it and the headers the node gets."""
+    """One request to forward: the body as the client sent it and the header lines the node gets."""
 
-    path: str
+    target: bytes
     body: bytes
-    headers: dict[str, str]
+    header_lines: bytes  # "name: value\r\n" each, request id and signed tenant included
     client_location: str
     started: float
     emulated_s: float = 0.0  # time slept by --emulate-rtt, left out of the added latency
+
+    def wire(self, host: bytes) -> bytes:
+        return (
+            b"POST %s HTTP/1.1\r\nhost: %s\r\n%scontent-length: %d\r\n\r\n"
+            % (self.target, host, self.header_lines, len(self.body))
+            + self.body
+        )
 
 
 class NodeAnswer(Exception):
     """A retryable answer (429, 5xx) that is what the client gets if every candidate fails alike."""
 
-    def __init__(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+    def __init__(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         self.status, self.body, self.headers = status, body, headers
 
 
 class Forwarder:
-    def __init__(
-        self,
-        config: RouterConfig,
-        state: FleetState,
-        clients: Sequence[httpx.AsyncClient],
-        metrics: RouterMetrics,
-    ) -> None:
+    def __init__(self, config: RouterConfig, state: FleetState, metrics: RouterMetrics) -> None:
         self.config = config
         self.state = state
-        self._clients = itertools.cycle(clients)  # one pool per attempt, in turn (app.POOL_SHARDS)
         self.metrics = metrics
+        self.pools = {
+            node_id: NodePool(view.entry.url, config.connect_timeout_s, config.idle_timeout_s)
+            for node_id, view in state.nodes.items()
+        }
 
-    async def forward(self, request: Request, job: Forward, ranked: Sequence[Candidate]) -> Response:
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+
+    async def forward(self, job: Forward, ranked: Sequence[Candidate]) -> Reply | Relay:
         last: NodeAnswer | None = None
         tried = 0
         for candidate in ranked:
@@ -94,11 +99,11 @@ class Forwarder:
                 self.metrics.retries.inc()
             tried += 1
             try:
-                return await until_disconnect(request, self._counted_attempt(view, job))
-            except ClientDisconnected:
+                return await self._counted_attempt(view, job)
+            except asyncio.CancelledError:  # the client went away (its connection cancels its task)
                 view.breaker.release()
                 self.metrics.count(view.entry, "client_closed")
-                return Response(status_code=STATUS_CLIENT_CLOSED)
+                raise
             except NodeAnswer as answer:
                 last = answer
             except TimeoutError:
@@ -107,15 +112,15 @@ class Forwarder:
                 raise ApiError(
                     504, "no node answered before the deadline", type="timeout", code="timeout"
                 ) from None
-            except httpx.HTTPError as exc:
+            except OSError as exc:  # UpstreamError and the socket's own errors
                 view.breaker.failure()
                 self.metrics.count(view.entry, "unreachable")
                 logger.warning("node %s failed before the first byte: %r", view.entry.node_id, exc)
         if last is not None:
-            return Response(last.body, status_code=last.status, headers=last.headers)
+            return Reply(last.status, last.body, last.headers, content_type=None)
         raise unavailable("no node could take the request; retry shortly", retry_after=1.0)
 
-    async def _counted_attempt(self, view: NodeView, job: Forward) -> Response:
+    async def _counted_attempt(self, view: NodeView, job: Forward) -> Relay:
         """`_attempt`, counted in the node's view (state.py) until its answer is relayed or it fails."""
         counted = view.sent()
         try:
@@ -124,39 +129,49 @@ class Forwarder:
             view.finished(counted)
             raise
 
-    async def _attempt(self, view: NodeView, job: Forward, on_end: Callable[[], None]) -> Response:
+    async def _attempt(self, view: NodeView, job: Forward, on_end: Callable[[], None]) -> Relay:
         entry = view.entry
         await self._emulate_one_way(job, job.client_location, entry.location)
         remaining = job.started + self.config.first_byte_timeout_s - time.monotonic()
-        client = next(self._clients)
-        # Latin-1 both ways, as the ASGI server decodes and encodes them: header bytes pass as they came
-        # (httpx's default, ASCII, fails on any other byte a client sent).
-        headers = httpx.Headers(job.headers, encoding="latin-1")
-        request = client.build_request("POST", entry.url + job.path, content=job.body, headers=headers)
+        pool = self.pools[entry.node_id]
         sent = time.monotonic()
-        async with asyncio.timeout(max(0.0, remaining)):
-            response = await client.send(request, stream=True)
-        node_s = time.monotonic() - sent
-        headers = _relayed_headers(response)
-        if response.status_code == 429 or response.status_code >= 500:
-            body = await response.aread()
-            await response.aclose()
-            if response.status_code >= 500:
-                view.breaker.failure()
-            else:
-                view.breaker.success()
-            self.metrics.count(entry, str(response.status_code))
-            raise NodeAnswer(response.status_code, body, headers)
-        view.breaker.success()
-        await self._emulate_one_way(job, entry.location, job.client_location)
-        self.metrics.count(entry, str(response.status_code))
+        node: NodeConnection | None = None
+        try:
+            async with asyncio.timeout(max(0.0, remaining)):
+                node = await pool.exchange(job.wire(pool.host_header))
+                node_s = time.monotonic() - sent
+                if node.status == 429 or node.status >= 500:
+                    self._refused(view, node.status)
+                    body = await node.body()
+                    pool.release(node)
+                    raise NodeAnswer(node.status, body, _relayed_headers(node.headers))
+            view.breaker.success()
+            await self._emulate_one_way(job, entry.location, job.client_location)
+        except (NodeAnswer, UpstreamError):
+            raise
+        except BaseException:
+            if node is not None:
+                node.abort()
+            raise
+        self.metrics.count(entry, str(node.status))
         self.metrics.first_byte.observe(time.monotonic() - job.started)
-        headers.update({"x-edgeinfer-node": entry.node_id, "x-edgeinfer-location": entry.location})
+        headers = _relayed_headers(node.headers)
+        headers += [
+            (b"x-edgeinfer-node", entry.node_id.encode()),
+            (b"x-edgeinfer-location", entry.location.encode()),
+        ]
 
         def headers_sent() -> None:
             self.metrics.added.observe(time.monotonic() - job.started - node_s - job.emulated_s)
 
-        return RelayResponse(response, view, headers, headers_sent, on_end)
+        return Relay(node, view, headers, headers_sent, on_end)
+
+    def _refused(self, view: NodeView, status: int) -> None:
+        if status >= 500:
+            view.breaker.failure()
+        else:
+            view.breaker.success()
+        self.metrics.count(view.entry, str(status))
 
     async def _emulate_one_way(self, job: Forward, a: str, b: str) -> None:
         if self.config.emulate_rtt:
@@ -165,35 +180,39 @@ class Forwarder:
             job.emulated_s += delay
 
 
-def _relayed_headers(response: httpx.Response) -> dict[str, str]:
-    """The node's headers for the client (repeated ones joined, as httpx joins them), decoded as Latin-1,
-    which Starlette encodes them with again, so that their bytes pass unchanged; httpx's own decoding may
-    read them as UTF-8, which Latin-1 then cannot encode."""
-    headers: dict[str, str] = {}
-    for raw_name, raw_value in response.headers.raw:
-        name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
-        if name not in HOP_BY_HOP:
-            headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    return headers
+def _relayed_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The node's headers for the client, bytes as they came, less what is connection-level."""
+    return [(name, value) for name, value in raw if name not in HOP_BY_HOP]
 
 
-class RelayResponse(StreamingResponse):
-    """Passes the node's body through chunk by chunk; closes the node's response however it ends
-    (closing it mid-stream drops that connection, which is how the node learns the client left).
-    `on_start` runs when the response headers go to the client, `on_end` when the relay ends."""
+class Relay:
+    """Passes the node's body to the client chunk by chunk, from the node connection's parser callbacks:
+    with its Content-Length where the node sent one, else chunked. The node's connection goes back to its
+    pool when the answer is complete, and is dropped when the relay ends otherwise (which is how the node
+    learns that the client left). `on_start` runs when the response head goes to the client, `on_end` when
+    the relay ends."""
 
     def __init__(
         self,
-        upstream: httpx.Response,
+        node: NodeConnection,
         view: NodeView,
-        headers: dict[str, str],
+        headers: list[tuple[bytes, bytes]],
         on_start: Callable[[], None],
         on_end: Callable[[], None],
     ) -> None:
-        super().__init__(_chunks(upstream, view), status_code=upstream.status_code, headers=headers)
-        self._upstream = upstream
+        self.status = node.status
+        self._node = node
+        self._view = view
+        self._headers = headers
         self._on_start = on_start
         self._on_end = on_end
+        self._client: ClientConnection | None = None
+        self._chunked = True
+        self._done: asyncio.Future[bool] | None = None
+
+    @property
+    def node_id(self) -> str:
+        return self._view.entry.node_id
 
     def also_on_end(self, callback: Callable[[], None]) -> None:
         """Run `callback` too when the relay ends (after what runs already)."""
@@ -207,28 +226,70 @@ class RelayResponse(StreamingResponse):
 
         self._on_end = both
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def watched(message: Message) -> None:
-            await send(message)
-            if message["type"] == "http.response.start":
-                self._on_start()
-
+    async def send(self, client: ClientConnection, request: Request, keep_alive: bool) -> bool:
+        """Relay the answer; whether the client's connection stays open after it."""
+        length = next((v for k, v in self._node.headers if k == b"content-length"), None)
+        self._chunked = length is None and not request.http_10
+        if length is not None:
+            framing = b"content-length: %s\r\n" % length
+        else:
+            framing = b"transfer-encoding: chunked\r\n" if self._chunked else b""
+            keep_alive = keep_alive and self._chunked  # unframed: the body ends with the connection
+        headers = [*self._headers, (b"x-request-id", request.request_id.encode())]
+        self._client = client
+        self._done = asyncio.get_running_loop().create_future()
+        ok = False
         try:
-            await super().__call__(scope, receive, watched)
+            client.write(head(self.status, headers, framing, keep_alive))
+            self._on_start()
+            client.flow = self
+            self._node.attach(self)
+            ok = await self._done
         finally:
-            self._on_end()
-            with contextlib.suppress(Exception):
-                await self._upstream.aclose()
+            client.flow = None
+            try:
+                self._on_end()
+            finally:
+                if ok:
+                    self._node.pool.release(self._node)
+                else:
+                    self._node.abort()
+        if not ok:
+            client.abort()
+        return keep_alive
 
+    # --- the node connection's sink ---------------------------------------------------------------
 
-async def _chunks(upstream: httpx.Response, view: NodeView) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
-    except httpx.HTTPError:
-        # The node went away mid-answer: the client's connection is aborted, never resumed elsewhere.
-        view.breaker.failure()
+    def chunk(self, data: bytes) -> None:
+        assert self._client is not None
+        if self._client.closed:
+            return
+        if self._chunked:
+            data = b"%x\r\n%s\r\n" % (len(data), data)
+        self._client.transport.write(data)  # type: ignore[union-attr]
+
+    def end(self) -> None:
+        assert self._client is not None and self._done is not None
+        if self._chunked:
+            self._client.write(b"0\r\n\r\n")
+        if not self._done.done():
+            self._done.set_result(True)
+
+    def broken(self) -> None:
+        """The node went away mid-answer: the client's connection is aborted, never resumed elsewhere."""
+        assert self._done is not None
+        self._view.breaker.failure()
         logger.warning(
-            "node %s failed after the first byte; aborting the client's answer", view.entry.node_id
+            "node %s failed after the first byte; aborting the client's answer", self._view.entry.node_id
         )
-        raise
+        if not self._done.done():
+            self._done.set_result(False)
+
+    # --- flow control: the client's socket buffer is full ---------------------------------------
+
+    def pause(self) -> None:
+        self._node.pause()
+
+    def resume(self) -> None:
+        with contextlib.suppress(Exception):
+            self._node.resume()

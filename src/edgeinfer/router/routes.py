@@ -1,17 +1,21 @@
-"""The router's routes: the node's OpenAI and Workers-AI paths (validated the same way, so malformed
-bodies get the node's 4xx here), /v1/models for the fleet, and ops routes."""
+"""The router's routes, dispatched by path without a framework: the node's OpenAI and Workers-AI paths (the
+data plane: read and validated as the node does, so malformed bodies get the node's 4xx here), /v1/models
+and /v1/usage for the fleet, and ops routes.
+
+Order of checks on the data-plane routes, as on the node: the body's size (413, while it is read), its JSON
+(400), the API key (401: a wrong key is a 401 whatever the body holds), the schema (400), the model (404),
+then the tenant's fleet limits (429/503) and the policy."""
 
 from __future__ import annotations
 
+import math
+import re
 import time
-from typing import Annotated, Any
-
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+import urllib.parse
+from collections.abc import Awaitable, Callable
 
 from edgeinfer.api.embeddings import openai_embedding_job, workers_ai_embedding_job
-from edgeinfer.api.http.json_body import BoundedJSONRoute
+from edgeinfer.api.errors import ApiError, bad_request
 from edgeinfer.api.jobs import Job
 from edgeinfer.api.prepare import chat_job, check_one_workers_ai_input, completion_job, workers_ai_job
 from edgeinfer.api.schemas import (
@@ -22,89 +26,142 @@ from edgeinfer.api.schemas import (
 )
 from edgeinfer.api.tenants import Tenant
 from edgeinfer.obs.metrics import CONTENT_TYPE
+from edgeinfer.router import status_page
+from edgeinfer.router.body import json_value, validated
+from edgeinfer.router.http_server import Streamed
+from edgeinfer.router.service import RouterService
+from edgeinfer.router.wire import Reply, Request, error_reply, json_reply
 
-router = APIRouter(route_class=BoundedJSONRoute)
-_bearer = HTTPBearer(auto_error=False, description="API key from the fleet's tenants file")
+Answer = Reply | Streamed
+Handler = Callable[[RouterService, Request], Awaitable[Answer]]
 _STARTED = int(time.time())
+_WORKERS_AI = re.compile(r"/accounts/([^/]+)/ai/run/(.*)", re.DOTALL)
 
 
-async def router_tenant(
-    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-) -> Tenant:
-    """Before the body is validated, as on the node: a wrong key is a 401 whatever the body holds.
-    `async` so that FastAPI runs it on the event loop, not in its thread pool (a thread hop per request)."""
-    return request.app.state.service.tenants.authenticate(request.headers.get("authorization"))
+def tenant_of(service: RouterService, request: Request) -> Tenant:
+    return service.tenants.authenticate(request.text_header(b"authorization"))
 
 
-RouterTenant = Annotated[Tenant, Depends(router_tenant)]
-
-
-@router.post("/v1/completions", tags=["openai"])
-async def completions(body: CompletionRequest, request: Request, tenant: RouterTenant) -> Response:
-    service = request.app.state.service
-    job = completion_job(body, await request.json(), service.config.limits)
+async def completions(service: RouterService, request: Request) -> Answer:
+    value = json_value(request)
+    tenant = tenant_of(service, request)
+    job = completion_job(validated(CompletionRequest, value), value, service.config.limits)
     return await service.route(request, tenant, job.model, _output_tokens(job, service))
 
 
-@router.post("/v1/chat/completions", tags=["openai"])
-async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: RouterTenant) -> Response:
-    service = request.app.state.service
-    job = chat_job(body, await request.json(), service.config.limits)
+async def chat_completions(service: RouterService, request: Request) -> Answer:
+    value = json_value(request)
+    tenant = tenant_of(service, request)
+    job = chat_job(validated(ChatCompletionRequest, value), value, service.config.limits)
     return await service.route(request, tenant, job.model, _output_tokens(job, service))
 
 
-@router.post("/v1/embeddings", tags=["openai"])
-async def embeddings(body: EmbeddingRequest, request: Request, tenant: RouterTenant) -> Response:
-    service = request.app.state.service
-    job = openai_embedding_job(body, service.config.limits)
+async def embeddings(service: RouterService, request: Request) -> Answer:
+    value = json_value(request)
+    tenant = tenant_of(service, request)
+    job = openai_embedding_job(validated(EmbeddingRequest, value), service.config.limits)
     return await service.route(request, tenant, job.model)
 
 
-@router.post("/accounts/{account_id}/ai/run/{model:path}", tags=["workers-ai"])
-async def run_model(
-    account_id: str, model: str, body: WorkersAIRunRequest, request: Request, tenant: RouterTenant
-) -> Response:
+async def run_model(service: RouterService, request: Request, model: str) -> Answer:
     """Validated as the node does: a model that the fleet serves for embeddings takes `text`, any other
     model the text-generation shape."""
-    service = request.app.state.service
+    value = json_value(request)
+    tenant = tenant_of(service, request)
+    body = validated(WorkersAIRunRequest, value)
     check_one_workers_ai_input(body)
     if service.is_embedding_model(model):
-        job = workers_ai_embedding_job(model, body, service.config.limits)
-    else:
-        job = workers_ai_job(model, body, await request.json(), service.config.limits)
-        return await service.route(request, tenant, job.model, _output_tokens(job, service))
-    return await service.route(request, tenant, job.model)
+        embedding = workers_ai_embedding_job(model, body, service.config.limits)
+        return await service.route(request, tenant, embedding.model)
+    job = workers_ai_job(model, body, value, service.config.limits)
+    return await service.route(request, tenant, job.model, _output_tokens(job, service))
 
 
-def _output_tokens(job: Job, service: Any) -> int:
+def _output_tokens(job: Job, service: RouterService) -> int:
     """The most a generation may produce, all choices together (the node's own reservation likewise)."""
     return job.num_choices * (job.max_tokens or service.config.limits.max_tokens)
 
 
-@router.get("/v1/models", tags=["openai"])
-async def models(request: Request, _: RouterTenant) -> dict[str, Any]:
+async def models(service: RouterService, request: Request) -> Answer:
     """Every model some live node of the fleet serves."""
-    service = request.app.state.service
+    tenant_of(service, request)
     names = sorted(service.state.served_models(service.config.policy.drop_after_s))
     data = [{"id": n, "object": "model", "created": _STARTED, "owned_by": "edgeinfer"} for n in names]
-    return {"object": "list", "data": data}
+    return json_reply({"object": "list", "data": data})
 
 
-@router.get("/health", tags=["ops"])
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+async def usage(service: RouterService, request: Request) -> Answer:
+    """The calling tenant's usage across the whole fleet (the ledger's), per model, as a node's /v1/usage;
+    `start` (inclusive) and `end` (exclusive) in unix seconds."""
+    tenant = tenant_of(service, request)
+    query = urllib.parse.parse_qs(request.query.decode("latin-1"))
+    start, end = _seconds(query, "start"), _seconds(query, "end")
+    return json_reply(await service.usage(tenant, start, end))
 
 
-@router.get("/ready", tags=["ops"])
-async def ready(request: Request) -> JSONResponse:
+def _seconds(query: dict[str, list[str]], name: str) -> float | None:
+    if name not in query:
+        return None
+    try:
+        value = float(query[name][-1])
+    except ValueError:
+        raise bad_request(f"{name}: Input should be a valid number", param=name) from None
+    if not math.isfinite(value):
+        raise bad_request(f"{name}: Input should be a finite number", param=name)
+    return value
+
+
+async def health(service: RouterService, request: Request) -> Answer:
+    return json_reply({"status": "ok"})
+
+
+async def ready(service: RouterService, request: Request) -> Answer:
     """200 once some node has reported (the router can route something)."""
-    snapshot = request.app.state.service.state.snapshot()
-    ok = bool(getattr(request.app.state, "ready", False)) and bool(snapshot.nodes)
-    return JSONResponse(
-        {"status": "ready" if ok else "starting", "nodes": len(snapshot.nodes)}, 200 if ok else 503
-    )
+    nodes = len(service.state.snapshot().nodes)
+    ok = service.ready and nodes > 0
+    return json_reply({"status": "ready" if ok else "starting", "nodes": nodes}, 200 if ok else 503)
 
 
-@router.get("/metrics", tags=["ops"])
-async def metrics(request: Request) -> Response:
-    return Response(request.app.state.service.metrics.render(), media_type=CONTENT_TYPE)
+async def metrics(service: RouterService, request: Request) -> Answer:
+    return Reply(200, service.metrics.render(), content_type=CONTENT_TYPE.encode())
+
+
+async def status_html(service: RouterService, request: Request) -> Answer:
+    return Reply(200, status_page.page(), content_type=b"text/html; charset=utf-8")
+
+
+async def status_json(service: RouterService, request: Request) -> Answer:
+    return json_reply(status_page.status(service))
+
+
+POST: dict[str, Handler] = {
+    "/v1/completions": completions,
+    "/v1/chat/completions": chat_completions,
+    "/v1/embeddings": embeddings,
+}
+GET: dict[str, Handler] = {
+    "/v1/models": models,
+    "/v1/usage": usage,
+    "/health": health,
+    "/ready": ready,
+    "/metrics": metrics,
+    "/status": status_html,
+    "/status.json": status_json,
+}
+
+
+async def dispatch(service: RouterService, request: Request) -> Answer:
+    """The route's answer; 404 for a path no route has, 405 (with Allow) for a method it does not take."""
+    path, method = request.path, request.method
+    handler = (POST if method == b"POST" else GET if method == b"GET" else {}).get(path)
+    if handler is not None:
+        return await handler(service, request)
+    match = _WORKERS_AI.fullmatch(path)
+    if match is not None and method == b"POST":
+        return await run_model(service, request, match.group(2))
+    allowed = b"POST" if path in POST or match is not None else b"GET" if path in GET else None
+    if allowed is None:
+        raise ApiError(404, "Not Found", code="not_found")
+    reply = error_reply(ApiError(405, "Method Not Allowed", code="method_not_allowed"), path)
+    reply.headers.append((b"allow", allowed))
+    return reply

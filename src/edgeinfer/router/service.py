@@ -6,24 +6,31 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict, deque
-
-from fastapi.responses import Response
-from starlette.requests import Request
+from typing import Any
 
 from edgeinfer.api import router_trust
-from edgeinfer.api.errors import ApiError, busy, model_not_found
+from edgeinfer.api.errors import ApiError, busy, model_not_found, unavailable
 from edgeinfer.api.tenants import Tenant, TenantRegistry
+from edgeinfer.api.usage import usage_body
+from edgeinfer.ledger.client import LedgerError, query_usage
+from edgeinfer.router.bus import FleetBus
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.limits.limiter import FleetAdmission, FleetLimiter
 from edgeinfer.router.metrics import RouterMetrics
 from edgeinfer.router.placement import PlacementLoop
 from edgeinfer.router.policy import Decision, DecisionKind, RequestFeatures, decide
-from edgeinfer.router.proxy import HOP_BY_HOP, Forward, Forwarder, RelayResponse
+from edgeinfer.router.proxy import HOP_BY_HOP, Forward, Forwarder, Relay
 from edgeinfer.router.state import FleetState
+from edgeinfer.router.wire import Reply, Request
 from edgeinfer.types.cache_salt import tenant_salt
 
-CLIENT_LOCATION_HEADER = "x-client-location"
-AFFINITY_HEADER = "x-session-affinity"
+CLIENT_LOCATION_HEADER = b"x-client-location"
+AFFINITY_HEADER = b"x-session-affinity"
+# Never passed from a client to a node: connection-level headers (`expect` too: the router sends the body
+# at once), and what only a router may set.
+_NOT_FORWARDED = (
+    HOP_BY_HOP | {name.encode() for name in router_trust.TRUST_HEADERS} | {CLIENT_LOCATION_HEADER, b"expect"}
+)
 # The router does not tokenize: ~4 bytes of JSON body per prompt token is close enough for ranking.
 BYTES_PER_TOKEN = 4
 MAX_SESSIONS = 100_000
@@ -62,27 +69,35 @@ class RouterService:
         forwarder: Forwarder,
         metrics: RouterMetrics,
         placement: PlacementLoop | None = None,
-        limiter: FleetLimiter | None = None,
+        bus: FleetBus | None = None,
     ) -> None:
         self.config = config
-        self.limiter = limiter
+        self.bus = bus
+        self.limiter: FleetLimiter | None = bus.limiter if bus is not None else None
         self.tenants = tenants
         self.state = state
         self.forwarder = forwarder
         self.metrics = metrics
         self.placement = placement
+        self.ready = False  # /ready: set once the router has started
         self.sessions = SessionMemory()
         self.recent_spills: deque[dict[str, object]] = deque(maxlen=RECENT_SPILLS)
         self.rng = random.Random(config.seed)
         secret = config.router_secret
         self._salt_key = router_trust.cache_salt_key(secret) if secret else None
+        self._salts: dict[str, str] = {}  # per tenant name: the tenants file bounds it
 
     def cache_salt(self, tenant: Tenant) -> str:
         """The tenant's salt ("" without a router secret: nodes then derive namespaces themselves)."""
-        return tenant_salt(self._salt_key, tenant.name) if self._salt_key is not None else ""
+        if self._salt_key is None:
+            return ""
+        salt = self._salts.get(tenant.name)
+        if salt is None:
+            salt = self._salts[tenant.name] = tenant_salt(self._salt_key, tenant.name)
+        return salt
 
     def client_location(self, request: Request) -> str:
-        code = request.headers.get(CLIENT_LOCATION_HEADER, "").strip().upper()
+        code = (request.text_header(CLIENT_LOCATION_HEADER) or "").strip().upper()
         return code if code in self.state.fleet.rtt else self.config.location
 
     def is_embedding_model(self, model: str) -> bool:
@@ -96,19 +111,18 @@ class RouterService:
         served = ", ".join(sorted(self.state.served_models(self.config.policy.drop_after_s))) or "nothing"
         return model_not_found(f"model {model!r} does not exist; this fleet serves: {served}")
 
-    async def route(self, request: Request, tenant: Tenant, model: str, output_tokens: int = 0) -> Response:
+    async def route(
+        self, request: Request, tenant: Tenant, model: str, output_tokens: int = 0
+    ) -> Reply | Relay:
         """Generation and embedding requests alike: the same limits, policy, retries, tenants and metrics.
         `output_tokens`: the most the request may generate (all choices), reserved against tokens/min
         with the prompt's estimate until the node's usage event says what it used."""
-        started = getattr(request.state, "arrived", time.monotonic())
-        body = await request.body()
         admission = None
         if self.limiter is not None:
-            request_id = request.headers.get("x-request-id", "")
-            reserve = len(body) // BYTES_PER_TOKEN + output_tokens
-            admission = await self.limiter.admit(tenant, request_id, reserve)
+            reserve = len(request.body) // BYTES_PER_TOKEN + output_tokens
+            admission = await self.limiter.admit(tenant, request.request_id, reserve)
         try:
-            response = await self._route(request, tenant, model, body, started)
+            response = await self._route(request, tenant, model)
         except BaseException as exc:
             if admission is not None:
                 admission.end(exc.status if isinstance(exc, ApiError) else 500)
@@ -117,15 +131,13 @@ class RouterService:
             _end_with(response, admission)
         return response
 
-    async def _route(
-        self, request: Request, tenant: Tenant, model: str, body: bytes, started: float
-    ) -> Response:
+    async def _route(self, request: Request, tenant: Tenant, model: str) -> Reply | Relay:
         location = self.client_location(request)
-        affinity = request.headers.get(AFFINITY_HEADER)
+        affinity = request.text_header(AFFINITY_HEADER)
         salt = self.cache_salt(tenant)
         # Prefix-aware choices key on the salt (hex, so "/" cannot be part of it) where there is one.
         session = f"{salt or tenant.name}/{affinity}" if affinity else None
-        tokens = len(body) // BYTES_PER_TOKEN
+        tokens = len(request.body) // BYTES_PER_TOKEN
         cached = self.sessions.cached_tokens(session, tokens)
         features = RequestFeatures(
             model=model,
@@ -139,15 +151,30 @@ class RouterService:
         if self.placement is not None:
             self.placement.demand.add(location, model)
         decision = self._decide(features)
-        headers = self._node_headers(request, tenant, location, salt)
         forward = Forward(
-            path=request.url.path, body=body, headers=headers, client_location=location, started=started
+            target=request.target,
+            body=request.body,
+            header_lines=self._node_headers(request, tenant, location, salt),
+            client_location=location,
+            started=request.arrived,
         )
-        response = await self.forwarder.forward(request, forward, decision.ranked)
-        node_id = response.headers.get("x-edgeinfer-node")
-        if session is not None and node_id is not None:
-            self.sessions.remember(session, node_id, tokens)
+        response = await self.forwarder.forward(forward, decision.ranked)
+        if session is not None and isinstance(response, Relay):
+            self.sessions.remember(session, response.node_id, tokens)
         return response
+
+    async def usage(self, tenant: Tenant, start: float | None, end: float | None) -> dict[str, Any]:
+        """The tenant's usage across the fleet, from the ledger (`edgeinfer ledger`) over NATS, in the
+        shape of a node's /v1/usage; 503 where no ledger can be asked."""
+        if self.bus is None or self.bus.nc is None:
+            raise unavailable(
+                "fleet usage comes from the ledger over NATS: this router runs without --nats-url"
+            )
+        try:
+            rows = await query_usage(self.bus.nc, tenant.name, start, end)
+        except LedgerError as exc:
+            raise unavailable(f"fleet usage: {exc}") from None
+        return usage_body(tenant.name, start, end, rows)
 
     def _decide(self, features: RequestFeatures) -> Decision:
         t0 = time.perf_counter()
@@ -172,21 +199,23 @@ class RouterService:
             )
         return decision
 
-    def _node_headers(self, request: Request, tenant: Tenant, location: str, salt: str) -> dict[str, str]:
-        """The client's headers minus connection-level ones and any tenant header it sent (only a
-        router may set those), plus the signed tenant and the resolved client location."""
-        strip = HOP_BY_HOP | set(router_trust.TRUST_HEADERS)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in strip}
-        headers[CLIENT_LOCATION_HEADER] = location
+    def _node_headers(self, request: Request, tenant: Tenant, location: str, salt: str) -> bytes:
+        """The client's header lines minus connection-level ones and any tenant header it sent (only a
+        router may set those), plus the request id, the signed tenant and the resolved client location."""
+        lines = [b"%s: %s\r\n" % (k, v) for k, v in request.headers if k not in _NOT_FORWARDED]
+        lines.append(
+            b"x-request-id: %s\r\nx-client-location: %s\r\n"
+            % (request.request_id.encode(), location.encode())
+        )
         if self.config.router_secret is not None:
-            secret = self.config.router_secret
-            headers.update(router_trust.signed_headers(secret, tenant.name, time.time(), salt))
-        return headers
+            signed = router_trust.signed_headers(self.config.router_secret, tenant.name, time.time(), salt)
+            lines += [f"{k}: {v}\r\n".encode() for k, v in signed.items()]
+        return b"".join(lines)
 
 
-def _end_with(response: Response, admission: FleetAdmission) -> None:
+def _end_with(response: Reply | Relay, admission: FleetAdmission) -> None:
     """The admission ends when the client has the whole answer (a relayed stream's end), else now."""
-    if isinstance(response, RelayResponse):
-        response.also_on_end(lambda: admission.end(response.status_code))
+    if isinstance(response, Relay):
+        response.also_on_end(lambda: admission.end(response.status))
     else:
-        admission.end(response.status_code)
+        admission.end(response.status)

@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from importlib import resources
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse
 
-router = APIRouter()
-
-
-@router.get("/status", response_class=HTMLResponse, tags=["ops"])
-async def status_page() -> HTMLResponse:
-    page = resources.files("edgeinfer.router").joinpath("static/status.html").read_text(encoding="utf-8")
-    return HTMLResponse(page)
+@functools.cache
+def page() -> bytes:
+    return resources.files("edgeinfer.router").joinpath("static/status.html").read_bytes()
 
 
-@router.get("/status.json", tags=["ops"])
-async def status_json(request: Request) -> dict[str, Any]:
-    service = request.app.state.service
+def status(service: Any) -> dict[str, Any]:
+    """What /status.json answers: every location with its nodes' state, and the recent spill-overs."""
     state = service.state
     now = state.clock()
     policy = service.config.policy

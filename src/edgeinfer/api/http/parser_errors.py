@@ -66,7 +66,7 @@ def http_protocol(name: str) -> type[asyncio.Protocol]:
     if name == "h11":
         return JSONErrorsH11Protocol
     if name == "httptools":
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # the `fast` extra
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
         class JSONErrorsHttpToolsProtocol(JSONParserErrors, HttpToolsProtocol):
             """uvicorn's httptools protocol with `JSONParserErrors`."""
