@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ import nats
 
 from edgeinfer.api.errors import ApiError
 from edgeinfer.api.tenants import Tenant, TenantLimits
-from edgeinfer.fleet.nats_server import nats_server_binary
+from edgeinfer.fleet.nats_server import start_nats
 from edgeinfer.router.limits.limiter import FleetLimiter, FleetLimitsConfig
 from edgeinfer.router.limits.store import WINDOWS_BUCKET, StoreUnavailable, change, open_bucket, take_units
 from edgeinfer.router.metrics import RouterMetrics
@@ -38,15 +37,7 @@ from peers import cpu_flags, cpuinfo_field
 ROUTERS = (1, 3, 8)
 OFFERED = 3  # requests offered per window, in multiples of the limit
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-
-
-def start_nats(workdir: Path, port: int = 4591) -> subprocess.Popen[bytes]:
-    cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(workdir / "js")]
-    log = workdir / "nats.log"
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    while "Server is ready" not in log.read_text():
-        time.sleep(0.05)
-    return proc
+NATS_PORT = 4591
 
 
 async def leased(url: str, routers: int, args: argparse.Namespace) -> dict[str, float]:
@@ -168,11 +159,11 @@ def table(rows: list[tuple[int, str, dict[str, float]]], args: argparse.Namespac
 
 async def main_async(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as tmp:
-        proc = start_nats(Path(tmp))
+        proc = start_nats(NATS_PORT, Path(tmp) / "nats.log", Path(tmp) / "js")
         try:
             rows = []
             for routers in ROUTERS:
-                url = "nats://127.0.0.1:4591"
+                url = f"nats://127.0.0.1:{NATS_PORT}"
                 rows.append((routers, "leases (ours)", await leased(url, routers, args)))
                 rows.append((routers, "CAS per request", await per_request_cas(url, routers, args)))
                 print(rows[-2], rows[-1], flush=True)

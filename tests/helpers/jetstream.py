@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from edgeinfer.fleet.nats_server import nats_server_binary
+from edgeinfer.fleet.nats_server import nats_args
 from helpers.router_fleet import free_port
 
 
@@ -24,7 +24,7 @@ class JetStream:
 
     def start(self, timeout: float = 10.0) -> JetStream:
         ready_before = self.log.read_text().count("Server is ready") if self.log.exists() else 0
-        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store)]
+        cmd = nats_args(self.port, self.store)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
