@@ -13,7 +13,7 @@ from edgeinfer.api.files import load_table
 from edgeinfer.api.keys import generate_key, hash_key, tenant_snippet
 from edgeinfer.api.prices import Price
 from edgeinfer.api.tenants import TenantRegistry, cache_namespace
-from edgeinfer.node.billing.metering import COLUMNS, UsageRecord, UsageStore
+from edgeinfer.node.billing.metering import UsageRecord, UsageStore
 from edgeinfer.node.billing.prices import PriceTable
 from edgeinfer.node.keys import main
 
@@ -22,7 +22,7 @@ SECRET = b"s" * 32
 
 def _record(*values: object) -> UsageRecord:
     """A usage row from its values in the table's column order."""
-    return UsageRecord(**dict(zip(COLUMNS, values, strict=True)))  # type: ignore[arg-type]
+    return UsageRecord.from_row(values)
 
 
 def test_toml_and_json_tenant_files(tmp_path) -> None:

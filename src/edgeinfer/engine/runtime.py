@@ -68,6 +68,4 @@ def start_runtime(threads: int | None = None, kernels: KernelLimits | None = Non
 
 def runtime() -> Runtime:
     """The process's runtime; the default one where the entry point started none."""
-    with _lock:
-        current = _current
-    return current if current is not None else start_runtime()
+    return _current if _current is not None else start_runtime()

@@ -105,27 +105,18 @@ class UsageRecord:
     duration_ms: float | None = None
     http_request_id: str | None = None
 
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> UsageRecord:
+        """A record from the usage table's columns, in their order."""
+        return cls(**dict(zip(COLUMNS, row, strict=True)))
+
     def row(self) -> tuple[Any, ...]:
         """The values of the usage table's columns, in their order."""
         return tuple(getattr(self, name) for name in COLUMNS)
 
     def event(self, node_id: str) -> UsageEvent:
-        return UsageEvent(
-            request_id=self.request_id,
-            node_id=node_id,
-            tenant=self.tenant,
-            model=self.model,
-            endpoint=self.endpoint,
-            status=self.status,
-            input_tokens=self.input_tokens,
-            cached_input_tokens=self.cached_input_tokens,
-            output_tokens=self.output_tokens,
-            cost_units=self.cost_units,
-            ts=self.ts,
-            ttft_ms=self.ttft_ms,
-            duration_ms=self.duration_ms,
-            http_request_id=self.http_request_id,
-        )
+        """The ledger's event: every field of the record, and the node."""
+        return UsageEvent(node_id=node_id, **dataclasses.asdict(self))
 
 
 @dataclass(frozen=True)
@@ -200,7 +191,7 @@ class UsageStore:
         sql = f"SELECT {_COLUMN_LIST} FROM usage WHERE tenant = ? ORDER BY id DESC LIMIT ?"
         with self._lock:
             rows = self._conn.execute(sql, (tenant, limit)).fetchall()
-        return [UsageRecord(**dict(zip(COLUMNS, row, strict=True))) for row in rows]
+        return [UsageRecord.from_row(row) for row in rows]
 
     def watch_outbox(self, callback: Callable[[], None] | None) -> None:
         """Call `callback` (from the writer thread) after each commit that queued events; None stops it."""
@@ -222,7 +213,7 @@ class UsageStore:
         """Rows of requests that were running when the previous process died become usage rows (and
         events), in one transaction with emptying `usage_in_flight`."""
         rows = self._conn.execute(f"SELECT {_COLUMN_LIST} FROM usage_in_flight ORDER BY ts").fetchall()
-        records = [UsageRecord(**dict(zip(COLUMNS, row, strict=True))) for row in rows]
+        records = [UsageRecord.from_row(row) for row in rows]
         with self._conn:
             self._conn.execute("BEGIN")
             for record in records:

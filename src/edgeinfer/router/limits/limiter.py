@@ -68,8 +68,12 @@ class FleetAdmission:
     window: int
     tokens: int
     fleet: bool  # admitted against the bucket (False: against this router's own counts, in an outage)
-    slot: bool
     ended: bool = field(default=False, init=False)
+
+    @property
+    def slot(self) -> bool:
+        """Whether it holds a concurrency slot (its tenant has a concurrency limit)."""
+        return self.leases.tenant.limits.max_concurrent is not None
 
     def end(self, status: int) -> None:
         """The answer went out (`status`): the concurrency slot is free again, and a request refused
@@ -146,7 +150,6 @@ class FleetLimiter:
             window=window,
             tokens=tokens,
             fleet=fleet,
-            slot=tenant.limits.max_concurrent is not None,
         )
         self._metrics.tenant_admitted.labels(tenant.name, "fleet" if admission.fleet else "router").inc()
         self._pending[request_id] = admission
