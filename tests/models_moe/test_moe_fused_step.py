@@ -44,6 +44,13 @@ def test_the_fused_step_decodes_moe_models_as_the_eager_path(models, family, qua
     assert_fused_step_decodes_as_eager(engine, PROMPTS, MAX_TOKENS)
 
 
+def test_an_int8_kv_cache_keeps_gqa_moe_models_on_the_fused_step(models) -> None:
+    """GQA layers attend over int8 codes in the step (kernels/kv_codes.h); MLA's latents stay bf16-only."""
+    engine = bf16_engine(models["glm4_moe"], kv_cache_dtype="int8")
+    assert_fused_step_decodes_as_eager(engine, PROMPTS, MAX_TOKENS)
+    assert bf16_engine(models["deepseek_v3"], kv_cache_dtype="int8").runner.fused is None
+
+
 @QUANTIZATION
 @pytest.mark.parametrize("family", ["deepseek_v3_r64", "kimi_k2"])
 def test_mla_moe_models_decode_alike_alone_and_batched(models, family, quantization) -> None:

@@ -37,8 +37,8 @@ def test_fused_step_decodes_as_the_eager_path_bit_for_bit(level, tiny_models, fa
 
 
 def test_models_outside_the_kernels_keep_the_eager_step(ops, tiny_models):
-    # a quantized KV cache: the decode ops attend over plain bf16 blocks only
-    assert bf16_engine(tiny_models["llama"], kv_cache_dtype="int8").runner.fused is None
+    # an int4 KV cache: the decode ops read bf16, int8 and float8 blocks only (tests/quant/test_kv_decode.py)
+    assert bf16_engine(tiny_models["qwen3"], kv_cache_dtype="int4").runner.fused is None
     # int8 weights multiply through another kernel the step does not call
     assert bf16_engine(tiny_models["llama"], quantization="int8").runner.fused is None
     # torch's kernels asked for: no decode ops, no fused step

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from edgeinfer.engine.quant.kv import KVQuantizer, NullKV, get_kv_quantizer, take_blocks
+from edgeinfer.engine.quant.kv import Fp8KV, Int8KV, KVQuantizer, NullKV, get_kv_quantizer, take_blocks
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,24 @@ class KVCacheStorage:
     def lossless(self) -> bool:
         """Whether gathered K/V equal what was written (no quantization)."""
         return isinstance(self.quantizer, NullKV) and self.quantizer.storage_dtype == self.dtype
+
+    @property
+    def kernel_readable(self) -> bool:
+        """Whether our CPU decode attention (kernels/decode_ops.cpp) reads the pools where they lie: a bf16
+        compute dtype over bf16 values, or over int8 / float8 codes with one scale per token and head."""
+        q = self.quantizer
+        plain = isinstance(q, NullKV) and q.storage_dtype == torch.bfloat16
+        return self.dtype == torch.bfloat16 and (plain or isinstance(q, (Int8KV, Fp8KV)))
+
+    def kernel_pools(
+        self, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A layer's K and V pools as our decode attention takes them, with their scales (None in bf16)."""
+        kp, vp = self.k[layer], self.v[layer]
+        assert vp is not None, "a layer without V (MLA) has no K/V pools"
+        if kp.plain:
+            return kp.data, vp.data, None, None
+        return kp.data, vp.data, kp.scales, vp.scales
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         """Scrub blocks. Attention reads whole blocks and masks the slots past a sequence's end; a masked

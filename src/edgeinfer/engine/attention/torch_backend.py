@@ -103,9 +103,10 @@ def _grouped_decode(
 
 
 class TorchPagedBackend(AttentionBackend):
-    """With `decode_ops`, over a plain bf16 cache, a one-sequence decode step takes one call of our
-    `paged_decode_one` (write, then attend over the blocks where they lie) per layer, and the decodes of a
-    batched step one call of `paged_decode` (attend over each sequence's blocks, no gather)."""
+    """With `decode_ops`, over a bf16 cache or an int8 / float8 one (`storage.kernel_readable`), a
+    one-sequence decode step takes one call of our `paged_decode_one` (write, then attend over the blocks
+    where they lie) per layer, and the decodes of a batched step one call of `paged_decode` (attend over
+    each sequence's blocks, no gather, a quantized cache's codes read as they are stored)."""
 
     def attend(self, layer, q, k, v, scale, window=None, softcap=None):
         meta = self.meta
@@ -130,12 +131,12 @@ class TorchPagedBackend(AttentionBackend):
         return meta.num_decodes == meta.num_seqs == 1 and self._takes_batch_op(layer, q, softcap)
 
     def _takes_batch_op(self, layer: int, q: torch.Tensor, softcap: float | None) -> bool:
-        """Whether our decode attention ops take this layer: on, a plain bf16 cache, no softcap."""
+        """Whether our decode attention ops take this layer: on, a cache they read, no softcap."""
         return (
             self.decode_ops
             and softcap is None
             and q.dtype == torch.bfloat16
-            and self.storage.lossless
+            and self.storage.kernel_readable
             and self.storage.v[layer] is not None
             and not torch.compiler.is_compiling()
         )
@@ -143,10 +144,11 @@ class TorchPagedBackend(AttentionBackend):
     def _decode_one(self, layer, q, k, v, meta: AttentionMetadata, scale, window) -> torch.Tensor:
         if "slot" not in meta.cache:  # one read of the step's slot, not one per layer
             meta.cache["slot"] = int(meta.slot_mapping[0])
-        k_pool, v_pool = self.storage.k[layer].data, self.storage.v[layer].data
+        k_pool, v_pool, k_scales, v_scales = self.storage.kernel_pools(layer)
         ctx = meta.context_lens[0]
+        slot, table = meta.cache["slot"], meta.block_tables[0]
         return ops.paged_decode_one(
-            q, k, v, k_pool, v_pool, meta.cache["slot"], meta.block_tables[0], ctx, scale, window or 0
+            q, k, v, k_pool, v_pool, slot, table, ctx, scale, window or 0, k_scales, v_scales
         )
 
     def _decode(self, layer, q, meta: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
@@ -154,9 +156,9 @@ class TorchPagedBackend(AttentionBackend):
         if self._takes_batch_op(layer, q, softcap):
             if "decode_ctx" not in meta.cache:
                 meta.cache["decode_ctx"] = meta.decode_context_lens(q.device)
-            k_pool, v_pool = self.storage.k[layer].data, self.storage.v[layer].data
-            tables = meta.block_tables[:nd]
-            return ops.paged_decode(q, k_pool, v_pool, tables, meta.cache["decode_ctx"], scale, window or 0)
+            k_pool, v_pool, k_scales, v_scales = self.storage.kernel_pools(layer)
+            tables, ctx = meta.block_tables[:nd], meta.cache["decode_ctx"]
+            return ops.paged_decode(q, k_pool, v_pool, tables, ctx, scale, window or 0, k_scales, v_scales)
         key = ("decode", window)
         if key not in meta.cache:
             ctx = meta.decode_context_lens(q.device)

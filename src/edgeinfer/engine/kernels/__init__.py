@@ -24,8 +24,10 @@ use; `EDGEINFER_CPU_ISA` (scalar, avx2, avx512, avx512_vnni) caps it, for tests 
   stored) with fp32 sums, into bf16 or fp32 (bf16.py: float models' linear layers and lm_head at few rows).
 - `rms_norm`, `rope`, `gated_act`, `paged_decode_one` and `paged_decode`: the small ops of a decode step, one
   call each (switched on by model/decode_ops.py); eager only (a compiled graph fuses the torch ops itself),
-  so they have no fakes. `mla_decode`: latent attention's absorbed decode (attention/mla.py);
-  `packed_attention`: a packed encoder batch's attention (model/bert.py).
+  so they have no fakes. The paged attention reads a bf16 cache or an int8 / float8 one with its scales
+  where it lies (kv_codes.h); `kv_write` stores a step's K or V in either, quantized as quant/kv.py does.
+  `mla_decode`: latent attention's absorbed decode (attention/mla.py); `packed_attention`: a packed
+  encoder batch's attention (model/bert.py).
 - `torch.classes.edgeinfer_cpu.MoeBlock`: a sparse MoE block in one call (moe_block.cpp; model/moe.py).
 - `torch.classes.edgeinfer_cpu.DenseDecodeStep`: every layer of a dense model's one-sequence decode step in
   one call, through the kernels above (dense_step.cpp; built by model/fused_decode.py).
@@ -51,6 +53,7 @@ _SOURCE_NAMES = (
     "bf16_gemv.cpp",
     "bf16_tiles.cpp",
     "decode_ops.cpp",
+    "kv_write.cpp",
     "mla_decode.cpp",
     "moe_block.cpp",
     "dense_step.cpp",

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -107,6 +108,8 @@ struct Mla {
   }
 };
 
+std::optional<at::Tensor> optional(const at::Tensor& t) { return t.defined() ? std::optional(t) : std::nullopt; }
+
 struct Layer {
   Norm input, post_attention, pre_feedforward, post_feedforward, q_norm, k_norm;
   Linear qkv, o, gate_up, down;
@@ -115,7 +118,7 @@ struct Layer {
   bool sandwich = false, qk_norm = false, interleaved = false;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, rope = 0, rotary_dim = 0, window = 0, act = 0;
   double scale = 1;
-  at::Tensor k_pool, v_pool;
+  at::Tensor k_pool, v_pool, k_scales, v_scales;  // scales: an int8 / float8 cache's (kv_codes.h)
 
   at::Tensor mlp(const at::Tensor& x, const Limits& lim) const {
     if (moe) return moe->forward(x);
@@ -140,9 +143,11 @@ struct Layer {
     const at::Tensor &cos = in.cos[rope], &sin = in.sin[rope];
     q = rotate(q, cos, sin, rotary_dim, interleaved, lim);
     k = rotate(k, cos, sin, rotary_dim, interleaved, lim);
-    k_pool.view({-1, kv_heads, head_dim}).index_copy_(0, in.slots, k);
-    v_pool.view({-1, kv_heads, v_pool.size(3)}).index_copy_(0, in.slots, v);
-    const at::Tensor attn = edgeinfer_cpu::paged_decode(q, k_pool, v_pool, in.block_tables, in.ctx_lens, scale, window);
+    const at::Tensor slots = in.slots.contiguous();
+    edgeinfer_cpu::write_kv(k_pool, k_scales, slots.data_ptr<int64_t>(), t, k);
+    edgeinfer_cpu::write_kv(v_pool, v_scales, slots.data_ptr<int64_t>(), t, v);
+    const at::Tensor attn = edgeinfer_cpu::paged_decode(q, k_pool, v_pool, in.block_tables, in.ctx_lens, scale, window,
+                                                        optional(k_scales), optional(v_scales));
     const at::Tensor h = o(attn.reshape({t, q_size}), lim);
     if (sandwich) {
       const at::Tensor mid = x + post_attention(h, lim);
@@ -162,9 +167,10 @@ class DenseDecodeStep : public torch::CustomClassHolder {
   // Tensors: the norms' weights (`input_norm`, `post_attention_norm`, with Gemma's sandwich also
   // `pre_feedforward_norm` and `post_feedforward_norm`, with QK-norm `q_norm` and `k_norm`), the linears
   // `qkv`, `o`, `gate_up`, `down` (`<name>.weight`, or `<name>.codes` / `.scales` / `.zero_terms`, and an
-  // optional `<name>.bias`), the layer's `k_pool` and `v_pool`. Numbers: `<norm>.eps`, `<norm>.round_first`,
-  // `<linear>.group` for int4, `heads`, `kv_heads`, `head_dim`, `rope` (which of `run`'s tables),
-  // `rotary_dim`, `interleaved`, `scale`, `window` (0: global), `act` (gated_act's code).
+  // optional `<name>.bias`), the layer's `k_pool` and `v_pool` (bf16, or int8 / float8 codes with their
+  // `k_scales` and `v_scales`). Numbers: `<norm>.eps`, `<norm>.round_first`, `<linear>.group` for int4,
+  // `heads`, `kv_heads`, `head_dim`, `rope` (which of `run`'s tables), `rotary_dim`, `interleaved`,
+  // `scale`, `window` (0: global), `act` (gated_act's code).
   void add_layer(Tensors t, Numbers c) { layers_.push_back(make_layer(t, c, {})); }
 
   // A layer whose feed-forward is a sparse MoE block: as add_layer, without `gate_up` and `down`.
@@ -229,6 +235,10 @@ class DenseDecodeStep : public torch::CustomClassHolder {
     l.scale = number(c, "scale");
     l.k_pool = get(t, "k_pool");
     l.v_pool = get(t, "v_pool");
+    if (t.contains("k_scales")) {
+      l.k_scales = get(t, "k_scales");
+      l.v_scales = get(t, "v_scales");
+    }
     return l;
   }
 

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace edgeinfer_cpu {
@@ -14,10 +15,19 @@ namespace edgeinfer_cpu {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool round_first);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rd, bool interleaved);
 at::Tensor gated_act(const at::Tensor& gate_up, int64_t act);
+// k_scales / v_scales: the fp32 scales of int8 / float8 pools (kv_codes.h); none for bf16 pools.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                        const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale, int64_t window);
+                        const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale, int64_t window,
+                        const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales);
 at::Tensor paged_decode_latent(const at::Tensor& q, const at::Tensor& latent_pool, const at::Tensor& block_tables,
                                const at::Tensor& ctx_lens, int64_t rank, double scale);
+
+// kv_write.cpp
+// x [tokens, heads, dim] bf16 written at the flat `slots` of a paged pool [blocks, block_size, heads, dim]:
+// into a bf16 pool as it is, into an int8 / float8 pool quantized per (token, head) as quant/kv.py
+// quantizes it, the scales into `scales` [blocks, block_size, heads, 1] (undefined for a bf16 pool).
+void write_kv(const at::Tensor& pool, const at::Tensor& scales, const int64_t* slots, int64_t tokens,
+              const at::Tensor& x);
 
 // mla_decode.cpp
 at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& latent_pool,

@@ -99,10 +99,15 @@ def paged_decode_one(
     ctx: int,
     scale: float,
     window: int,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One sequence's decode attention: its K/V written into `slot`, its query over its blocks in place."""
+    """One sequence's decode attention: its K/V written into `slot` (quantized where the pools hold int8 /
+    float8 codes with their `k_scales` / `v_scales`), its query over its blocks in place."""
     _ensure_loaded()
-    return torch.ops.edgeinfer_cpu.paged_decode_one(q, k, v, k_pool, v_pool, slot, blocks, ctx, scale, window)
+    return torch.ops.edgeinfer_cpu.paged_decode_one(
+        q, k, v, k_pool, v_pool, slot, blocks, ctx, scale, window, k_scales, v_scales
+    )
 
 
 def paged_decode(
@@ -113,10 +118,22 @@ def paged_decode(
     ctx_lens: torch.Tensor,
     scale: float,
     window: int,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention of a batch of sequences over their blocks in place (their K/V already written)."""
+    """Decode attention of a batch of sequences over their blocks in place (their K/V already written);
+    pools of int8 / float8 codes come with their scales."""
     _ensure_loaded()
-    return torch.ops.edgeinfer_cpu.paged_decode(q, k_pool, v_pool, block_tables, ctx_lens, scale, window)
+    return torch.ops.edgeinfer_cpu.paged_decode(
+        q, k_pool, v_pool, block_tables, ctx_lens, scale, window, k_scales, v_scales
+    )
+
+
+def kv_write(pool: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """bf16 `x` `[T, heads, dim]` into a paged pool at flat `slots`: as it is, or quantized into an int8 /
+    float8 pool and its `scales` as quant/kv.py quantizes it."""
+    _ensure_loaded()
+    torch.ops.edgeinfer_cpu.kv_write(pool, scales, slots, x)
 
 
 def mla_decode(

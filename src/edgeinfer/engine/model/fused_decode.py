@@ -10,8 +10,10 @@ It runs what the eager path runs (our kernels where it takes them, the same ATen
 in the same order, so its hidden states equal the eager path's bit for bit
 (tests/quant/test_dense_step.py). A sparse MoE layer runs the same C++ block its eager forward calls
 (SparseMoeBlock.kernel_block, moe_block.cpp), and latent attention (MLA) the same `mla_decode` its eager
-absorbed decode calls. Models or layers it does not cover (softcapped attention, MLA's expand mode, int8
-or fp8 weights, a quantized KV cache) keep the eager path: `fused_decode` returns None for them.
+absorbed decode calls. GQA layers attend over a bf16 cache or an int8 / float8 one, whose new K/V the
+step quantizes as the eager path's storage does (kernels/kv_write.cpp). Models or layers it does not
+cover (softcapped attention, MLA's expand mode or a quantized latent cache, int8 or fp8 weights, an int4
+KV cache) keep the eager path: `fused_decode` returns None for them.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def fused_decode(model: nn.Module, storage: KVCacheStorage, limits: KernelLimits
     """The fused step for `model` over `storage` (within the eager path's kernel `limits`), or None where
     some layer needs the eager path. Call after the decode ops are on (`use_decode_ops`): it takes only
     layers that would run on them."""
-    if not _plain_bf16_cache(storage) or not _norm_ok(model.model.norm):
+    if not storage.kernel_readable or not _norm_ok(model.model.norm):
         return None
     if isinstance(model, DenseCausalLM):
         if model.args.attn_softcap is not None:
@@ -81,12 +83,6 @@ def fused_decode(model: nn.Module, storage: KVCacheStorage, limits: KernelLimits
         else:
             step.add_layer(tensors, numbers)
     return FusedDecode(model, step, ropes)
-
-
-def _plain_bf16_cache(storage: KVCacheStorage) -> bool:
-    pools = [p for p in (*storage.k, *storage.v) if p is not None]
-    bf16 = storage.dtype == torch.bfloat16 and all(p.data.dtype == torch.bfloat16 for p in pools)
-    return storage.lossless and bf16
 
 
 def _describe(
@@ -131,7 +127,10 @@ def _gqa(attn: SelfAttention, storage: KVCacheStorage, index: int) -> Form | Non
     parts = _parts(norms, {"qkv": attn.qkv_proj, "o": attn.o_proj})
     if parts is None:
         return None
-    tensors = {"k_pool": storage.k[index].data, "v_pool": storage.v[index].data}
+    k_pool, v_pool, k_scales, v_scales = storage.kernel_pools(index)
+    tensors = {"k_pool": k_pool, "v_pool": v_pool}
+    if k_scales is not None and v_scales is not None:  # an int8 / float8 cache
+        tensors |= {"k_scales": k_scales, "v_scales": v_scales}
     numbers = {
         "heads": shape.num_heads,
         "kv_heads": shape.num_kv_heads,
@@ -143,9 +142,10 @@ def _gqa(attn: SelfAttention, storage: KVCacheStorage, index: int) -> Form | Non
 
 
 def _latent(attn: MultiLatentAttention, storage: KVCacheStorage, index: int) -> Form | None:
-    """MLA in its absorbed decode, where the eager path takes our `mla_decode` too."""
+    """MLA in its absorbed decode over a bf16 cache, where the eager path takes our `mla_decode` too."""
     s, kv_b = attn.shape, attn.kv_b_proj.weight
-    if not isinstance(attn.impl, AbsorbLatentAttention) or kv_b.dtype != torch.bfloat16:
+    absorbed = isinstance(attn.impl, AbsorbLatentAttention)
+    if not absorbed or kv_b.dtype != torch.bfloat16 or not storage.lossless:
         return None
     if s.q_lora_rank is None:
         norms, linears = {}, {"q": attn.q_proj}
