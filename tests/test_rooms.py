@@ -1,9 +1,9 @@
 """The rooms' import rules (docs/engine.md, the map of rooms): what both servers speak lives in `api`, which
 imports neither server; the router reaches nodes over HTTP and NATS only, never through their code; the
-node never imports the router; the ledger imports only `api` and `types`; the fleet simulator runs the
-router's own policy and network model; weight quantization imports neither the eval harness nor attention;
-our CPU kernels are a leaf room (torch, the standard library and the cache dir's location): model,
-quantization and attention call them, never the reverse."""
+node never imports the router; the ledger and the batch queue import only `api` and `types`; the fleet
+simulator runs the router's own policy and network model; weight quantization imports neither the eval
+harness nor attention; our CPU kernels are a leaf room (torch, the standard library and the cache dir's
+location): model, quantization and attention call them, never the reverse."""
 
 from __future__ import annotations
 
@@ -16,28 +16,25 @@ import edgeinfer
 
 SRC = Path(edgeinfer.__file__).parent
 
+# Neither server's code, nor the engine's, pool's, fleet's or torch.
+_NO_SERVER = (
+    "edgeinfer.node",
+    "edgeinfer.router",
+    "edgeinfer.engine",
+    "edgeinfer.pool",
+    "edgeinfer.fleet",
+    "torch",
+)
 # room -> module prefixes none of its files may import (at any depth, lazily inside functions too)
 FORBIDDEN = {
-    "api": (
-        "edgeinfer.node",
-        "edgeinfer.router",
-        "edgeinfer.engine",
-        "edgeinfer.pool",
-        "edgeinfer.fleet",
-        "torch",
-    ),
+    "api": _NO_SERVER,
     "router": ("edgeinfer.node", "edgeinfer.engine", "edgeinfer.pool", "torch"),
     "node": ("edgeinfer.router", "edgeinfer.fleet"),
     "fleet": ("edgeinfer.node", "edgeinfer.engine", "edgeinfer.pool", "torch"),
     # the ledger is one process for the whole fleet: it reads events off the bus, never a server's code
-    "ledger": (
-        "edgeinfer.node",
-        "edgeinfer.router",
-        "edgeinfer.engine",
-        "edgeinfer.pool",
-        "edgeinfer.fleet",
-        "torch",
-    ),
+    "ledger": _NO_SERVER,
+    # the batch queue is shared by nodes and routers: neither's code, nor the engine's
+    "batch": _NO_SERVER,
     # quantization alone: a calibration pass gets its forward from the caller, the corpus is its own room
     "engine/quant": ("edgeinfer.eval", "edgeinfer.engine.attention"),
     # the kernels are a leaf: the rooms that use them switch their own layers onto them
@@ -55,6 +52,7 @@ FORBIDDEN = {
 MAY_IMPORT = {
     "api": ("edgeinfer.api", "edgeinfer.types", "edgeinfer.structured"),
     "ledger": ("edgeinfer.ledger", "edgeinfer.api", "edgeinfer.types"),
+    "batch": ("edgeinfer.batch", "edgeinfer.api", "edgeinfer.types"),
 }
 
 

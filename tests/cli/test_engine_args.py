@@ -17,11 +17,12 @@ FLAGS = [
     "--device", "cuda", "--dtype", "float16", "--quantization", "int4", "--lm-head-quantization", "none",
     "--gptq", "enwiki", "--no-cpu-gemv", "--kv-cache-dtype", "int8", "--kv-cache-memory", "64MiB",
     "--max-model-len", "256", "--max-num-seqs", "3", "--max-num-batched-tokens", "96",
-    "--max-step-ms", "0", "--shared-step-ms", "40",
+    "--max-step-ms", "0", "--shared-step-ms", "40", "--batch-step-ms", "0",
     "--batch-window-ms", "0", "--scheduling-policy", "priority",
     "--no-prefix-caching", "--no-tenant-shares", "--attention-backend", "torch",
     "--mla-mode", "expand", "--compile", "--no-prepared-cache", "--cache-dir", "/tmp/edgeinfer-cache",
-    "--threads", "3",
+    "--threads", "3", "--speculative-method", "ngram", "--num-speculative-tokens", "7", "--ngram-min", "1",
+    "--ngram-max", "5", "--speculative-max-batch", "2",
 ]  # fmt: skip
 EXPECTED = EngineConfig(
     device="cuda",
@@ -37,6 +38,7 @@ EXPECTED = EngineConfig(
     max_num_batched_tokens=96,
     max_step_ms=None,
     shared_step_ms=40.0,
+    batch_step_ms=None,
     batch_window_ms=0,
     scheduling_policy="priority",
     enable_prefix_caching=False,
@@ -47,6 +49,11 @@ EXPECTED = EngineConfig(
     compile=True,
     prepared_cache=False,
     cache_dir="/tmp/edgeinfer-cache",
+    speculative_method="ngram",
+    num_speculative_tokens=7,
+    ngram_min=1,
+    ngram_max=5,
+    speculative_max_batch=2,
 )
 UNCALIBRATED = ["--quantization", "int8", "--no-calibrate"]
 # Fields no engine flag sets: the model (serve names a pool of them), the KV layout and pool size (tests and

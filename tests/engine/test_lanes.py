@@ -16,24 +16,32 @@ from edgeinfer.types.request import Lane
 _ids = itertools.count()
 
 
-def _req(lane: Lane, prompt_len: int, tenant: str = "t") -> Request:
+def _req(lane: Lane, prompt_len: int, tenant: str = "t", max_tokens: int = 8) -> Request:
     n = next(_ids)
     return Request(
         request_id=f"{lane}-{n}",
         prompt_token_ids=[1 + (n * 7 + i) % 500 for i in range(prompt_len)],
-        sampling=SamplingParams(max_tokens=8, ignore_eos=True),
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         tenant=tenant,
         lane=lane,
     )
 
 
-def _scheduler(fair: bool, seats: int = 64, blocks: int = 4096, budget: int = 256, policy: str = "fcfs"):
+def _scheduler(
+    fair: bool,
+    seats: int = 64,
+    blocks: int = 4096,
+    budget: int = 256,
+    policy: str = "fcfs",
+    batch_step_ms: float | None = None,
+):
     cfg = SchedulerConfig(
         max_num_seqs=seats,
         max_num_batched_tokens=budget,
         max_model_len=4096,
         fair_share=fair,
         policy=SchedulingPolicy(policy),
+        batch_step_ms=batch_step_ms,
     )
     return Scheduler(cfg, KVCacheManager(blocks, 16), lambda: 0.0)
 
@@ -90,14 +98,24 @@ def test_batch_work_gives_its_kv_blocks_to_an_interactive_request(fair: bool) ->
     s.check_integrity()
 
 
-def test_batch_prefill_takes_only_the_budget_interactive_work_leaves() -> None:
-    s = _scheduler(True, budget=100)
-    batch, interactive = _req(Lane.BATCH, 500), _req(Lane.INTERACTIVE, 70)
+@pytest.mark.parametrize("fair", [True, False])
+def test_batch_work_sits_out_the_steps_that_bring_interactive_first_tokens(fair: bool) -> None:
+    """A step that prefills interactive work carries no batch work (its decodes and prefill would
+    lengthen the step the first token waits for); the steps after give batch work what is left."""
+    s = _scheduler(fair, budget=100)
+    batch = _req(Lane.BATCH, 60)
     s.add_request(batch)
+    _step(s)  # the batch request alone: prefilled, decoding from now on
+    interactive = _req(Lane.INTERACTIVE, 70)
     s.add_request(interactive)
-    out = _step(s)
-    tokens = {c.request_id: c.num_tokens for c in out.chunks}
-    assert tokens == {interactive.request_id: 70, batch.request_id: 30}
+    first = {c.request_id: c.num_tokens for c in _step(s).chunks}
+    assert first == {interactive.request_id: 70}
+    later = {c.request_id: c.num_tokens for c in _step(s).chunks}
+    assert later == {interactive.request_id: 1, batch.request_id: 1}
+    long_batch = _req(Lane.BATCH, 500)
+    s.add_request(long_batch)
+    shared = {c.request_id: c.num_tokens for c in _step(s).chunks}
+    assert shared == {interactive.request_id: 1, batch.request_id: 1, long_batch.request_id: 98}
 
 
 def test_interactive_work_never_gives_way_to_batch_work() -> None:
@@ -130,3 +148,59 @@ def test_preempted_batch_work_answers_as_if_uninterrupted(engine_factory, tiny_m
             answers.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert engine.scheduler.num_preemptions >= 2
     assert [answers[f"b{i}"] for i in range(3)] == [a.token_ids for a in alone]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_waiting_batch_count_follows_the_queue(policy: str) -> None:
+    """`waiting.num_batch` (read by the node without the engine's lock, for admission and the status that
+    routers see) is a counter: it must equal a walk of the queue through admissions and preemptions."""
+    s = _scheduler(fair=True, seats=3, blocks=24, policy=policy)
+    for _ in range(4):
+        s.add_request(_req(Lane.BATCH, 60))
+    seen_preemption = False
+    for step in range(60):
+        if step in (2, 3, 5):  # interactive arrivals take the batch requests' seats
+            s.add_request(_req(Lane.INTERACTIVE, 60))
+        out = _step(s)
+        seen_preemption |= bool(out.preempted)
+        assert s.waiting.num_batch == sum(r.is_batch for r in s.waiting)
+        if len(s.waiting) == 0 and not s.running:
+            break
+    assert seen_preemption
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_step_with_batch_work_fits_the_batch_step_time(fair: bool) -> None:
+    """With batch work running, a step takes what fits in `batch_step_ms` by the step-cost line (every
+    interactive decode still), and the batch decodes take turns, so all of them progress."""
+    s = _scheduler(fair, seats=64, budget=256, batch_step_ms=50.0)
+    batch = [_req(Lane.BATCH, 4, max_tokens=100) for _ in range(60)]
+    interactive = _req(Lane.INTERACTIVE, 4, max_tokens=100)
+    for r in [interactive, *batch]:
+        s.add_request(r)
+    while any(r.is_prefilling for r in s.running) or len(s.waiting):
+        _step(s)  # no step cost known yet: no time budget, everyone is admitted
+    s.cost.observe(10, 0.020)
+    s.cost.observe(50, 0.060)  # t = 10 ms + 1 ms per token: 40 tokens fit in 50 ms
+    turns = dict.fromkeys((r.request_id for r in s.running if r.is_batch), 0)
+    assert len(turns) > 40  # more batch decodes than one step can take
+    for _ in range(3):
+        out = _step(s)
+        assert sum(c.num_tokens for c in out.chunks) <= 40
+        assert interactive.request_id in {c.request_id for c in out.chunks}
+        for c in out.chunks:
+            if c.request_id in turns:
+                turns[c.request_id] += 1
+    assert min(turns.values()) >= 1
+
+
+def test_batch_work_alone_runs_in_full_steps() -> None:
+    """Without interactive traffic of late, batch steps are not kept short: a nightly job gets the node."""
+    s = _scheduler(True, seats=64, budget=256, batch_step_ms=50.0)
+    for _ in range(60):
+        s.add_request(_req(Lane.BATCH, 4, max_tokens=100))
+    while any(r.is_prefilling for r in s.running) or len(s.waiting):
+        _step(s)
+    s.cost.observe(10, 0.020)
+    s.cost.observe(50, 0.060)  # 40 tokens would fit in 50 ms
+    assert sum(c.num_tokens for c in _step(s).chunks) == 60

@@ -29,6 +29,19 @@ def test_no_line_from_steps_of_one_size() -> None:
     assert cost.tokens_within(0.250, 32, 1024) == 1024
 
 
+def test_a_line_holds_through_steps_of_one_size() -> None:
+    """Budgeted steps are all of about one size: the line they came from must not be forgotten, or the next
+    budget would be the maximum (one long step) again."""
+    cost = StepCost()
+    for tokens in [1, 256] * 20:
+        cost.observe(tokens, 0.02 + 0.001 * tokens)
+    budget = cost.tokens_within(0.050, 1, 1024)
+    assert budget == pytest.approx(30, abs=3)
+    for _ in range(300):
+        cost.observe(budget, 0.02 + 0.001 * budget)
+    assert cost.tokens_within(0.050, 1, 1024) == pytest.approx(30, abs=3)
+
+
 def test_budget_is_clamped() -> None:
     slow, fast = StepCost(), StepCost()
     for tokens in (1, 100, 1, 100):

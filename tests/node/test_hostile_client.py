@@ -119,10 +119,10 @@ def test_workers_ai_body_too_large_is_code_3006(shared_node) -> None:
 
 
 def test_unexpected_errors_are_a_generic_500_with_the_request_id(shared_node, monkeypatch) -> None:
-    def broken(name: str) -> str:
+    def broken(*args: object) -> str:
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(shared_node.service, "_resolve", broken)
+    monkeypatch.setattr(shared_node.service, "_base_model", broken)
     with httpx.Client(base_url=shared_node.url) as client:
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert r.status_code == 500

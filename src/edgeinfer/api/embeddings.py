@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from edgeinfer.api.errors import bad_request
 from edgeinfer.api.limits import NodeLimits
 from edgeinfer.api.schemas import EmbeddingRequest, WorkersAIRunRequest
+from edgeinfer.types.request import Lane
 from edgeinfer.types.validation import InvalidInput, check_some_inputs
 
 
@@ -27,6 +28,7 @@ class EmbeddingJob:
     encoding_format: str = "float"
     reject_if_busy: bool = False
     param: str = "input"  # the body field the inputs came in, named by error messages
+    lane: Lane = Lane.INTERACTIVE  # batch: a queued entry (the Batch API), metered at the batch price
 
 
 def openai_embedding_job(body: EmbeddingRequest, limits: NodeLimits) -> EmbeddingJob:

@@ -9,6 +9,7 @@ from typing import Any
 
 from edgeinfer.structured.tools import ToolChoice
 from edgeinfer.types import SamplingParams
+from edgeinfer.types.request import Lane
 
 
 class JobKind(enum.StrEnum):
@@ -52,6 +53,8 @@ class Job:
     include_usage: bool = False
     reject_if_busy: bool = False
     priority: int = 0  # lower first, within the tenant's range (api/tenants.py)
+    lane: Lane = Lane.INTERACTIVE  # batch: queued work (the Batch API), run where interactive leaves room
+    adapter: str | None = None  # the tenant's LoRA adapter (`model: "base:adapter"`, Workers AI's `lora`)
     upstream_path: str = "/v1/completions"
     upstream_body: dict[str, Any] = field(default_factory=dict)
 

@@ -131,6 +131,7 @@ def workers_ai_job(model: str, body: WorkersAIRunRequest, raw: dict[str, Any], l
         stream=body.stream,
         include_usage=True,
         reject_if_busy=bool(body.options and body.options.reject_if_busy),
+        adapter=body.lora,
     )
     fields = _openai_fields(body, max_tokens)
     if body.response_format is not None:

@@ -233,4 +233,5 @@ class WorkersAIRunRequest(_RequestBody):
     frequency_penalty: FrequencyPenalty | None = None
     presence_penalty: PresencePenalty | None = None
     response_format: dict[str, Any] | None = None
+    lora: str | None = Field(None, description="one of the calling tenant's LoRA adapters of this model")
     options: RequestOptions | None = None

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgeinfer.api.adapters import TenantAdapter, parse_adapters
 from edgeinfer.api.errors import bad_request, unauthorized
 from edgeinfer.api.keys import hash_key
 from edgeinfer.api.prices import Price
@@ -68,6 +69,8 @@ class Tenant:
     cache_share: float = 1.0
     min_priority: int = 0
     max_priority: int = 0
+    # LoRA adapters by name (api/adapters.py)
+    adapters: Mapping[str, TenantAdapter] = field(default_factory=dict)
 
     def check_priority(self, priority: int) -> None:
         """ApiError 400 for a request `priority` outside the tenant's range."""
@@ -151,7 +154,16 @@ def _parse_entry(entry: Any, index: int, secret: bytes) -> tuple[str, Tenant]:
     where = f"tenants[{index}]"
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: must be a table/object")
-    known = {"name", "key_sha256", "prices", _OUTAGE_FIELD, *_LIMIT_FIELDS, *_SHARE_FIELDS, *_PRIORITY_FIELDS}
+    known = {
+        "name",
+        "key_sha256",
+        "prices",
+        "adapters",
+        _OUTAGE_FIELD,
+        *_LIMIT_FIELDS,
+        *_SHARE_FIELDS,
+        *_PRIORITY_FIELDS,
+    }
     unknown = set(entry) - known
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
@@ -177,6 +189,7 @@ def _parse_entry(entry: Any, index: int, secret: bytes) -> tuple[str, Tenant]:
         prices=prices,
         **shares,
         **_priorities(entry, where),
+        adapters=parse_adapters(entry.get("adapters", []), where),
     )
     return key_hash, tenant
 

@@ -23,7 +23,7 @@ DUPLICATE_WINDOW_S = 300.0
 # not, so a ledger may be down (or a second consumer may catch up) for days without losing any.
 MAX_AGE_S = 7 * 24 * 3600.0
 # NATS's JetStream API error code for "a stream of this name exists with another configuration".
-_STREAM_NAME_IN_USE = 10058
+STREAM_NAME_IN_USE = 10058
 
 
 def usage_stream_config() -> StreamConfig:
@@ -44,6 +44,6 @@ async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     except ServiceUnavailableError:
         raise ConnectionError("the NATS server has no JetStream: start it with -js (and -sd DIR)") from None
     except BadRequestError as exc:
-        if exc.err_code != _STREAM_NAME_IN_USE:
+        if exc.err_code != STREAM_NAME_IN_USE:
             raise
         logger.info("stream %s exists with another configuration; using it as it is", config.name)

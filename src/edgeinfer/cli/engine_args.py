@@ -13,6 +13,7 @@ import argparse
 
 from edgeinfer.engine.attention.registry import ATTENTION_BACKENDS, MLA_MODES
 from edgeinfer.engine.config import DEFAULT_MODEL, EngineConfig
+from edgeinfer.engine.scheduler.drafting import DRAFTERS
 from edgeinfer.engine.scheduler.queue import SchedulingPolicy
 from edgeinfer.pool.spec import parse_bytes
 
@@ -53,6 +54,7 @@ def add_engine_arguments(group: argparse._ActionsContainer) -> None:
     _add_precision(group)
     _add_kv_and_batching(group)
     _add_execution(group)
+    _add_speculative(group)
 
 
 def engine_config(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> EngineConfig:
@@ -73,6 +75,7 @@ def engine_config(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Engin
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_step_ms=args.max_step_ms,
         shared_step_ms=args.shared_step_ms,
+        batch_step_ms=args.batch_step_ms,
         batch_window_ms=args.batch_window_ms,
         scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.prefix_caching,
@@ -83,6 +86,11 @@ def engine_config(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Engin
         compile=args.compile,
         prepared_cache=args.prepared_cache,
         cache_dir=args.cache_dir,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        speculative_max_batch=args.speculative_max_batch,
     )
 
 
@@ -180,6 +188,14 @@ def _add_kv_and_batching(group: argparse._ActionsContainer) -> None:
         "of another's prefill; 0: --max-step-ms throughout (%(default)s)",
     )
     group.add_argument(
+        "--batch-step-ms",
+        type=_step_ms,
+        default=_DEFAULTS.batch_step_ms,
+        metavar="MS",
+        help="while queued (batch-lane) work runs, a step takes what fits in MS, so an interactive request "
+        "arriving meanwhile waits about that long; 0: the budgets above (%(default)s)",
+    )
+    group.add_argument(
         "--batch-window-ms",
         type=float,
         default=_DEFAULTS.batch_window_ms,
@@ -226,7 +242,7 @@ def _add_execution(group: argparse._ActionsContainer) -> None:
         action=argparse.BooleanOptionalAction,
         default=_DEFAULTS.compile,
         help="torch.compile one-sequence decode steps at load, for models the fused decode step does not "
-        "take (MoE, MLA, int8/fp8, a quantized KV cache; it is faster where it does): needs a C++ compiler, "
+        "take (MoE, MLA, int8/fp8, an int4 KV cache; it is faster where it does): needs a C++ compiler, "
         "minutes the first time, graphs cached under --cache-dir (default: no)",
     )
     group.add_argument(
@@ -248,4 +264,39 @@ def _add_execution(group: argparse._ActionsContainer) -> None:
         type=int,
         default=None,
         help="threads for the ops, process-wide (default: every core this process may run on)",
+    )
+
+
+def _add_speculative(group: argparse._ActionsContainer) -> None:
+    group.add_argument(
+        "--speculative-method",
+        default=_DEFAULTS.speculative_method,
+        choices=list(DRAFTERS),
+        help="speculative decoding: ngram drafts a decoding request's next tokens from its own prompt and "
+        "output and verifies them in one step (the same tokens, several per step where the output repeats "
+        "its context); default: off",
+    )
+    group.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=_DEFAULTS.num_speculative_tokens,
+        help="draft tokens per request and step (%(default)s)",
+    )
+    group.add_argument(
+        "--ngram-min",
+        type=int,
+        default=_DEFAULTS.ngram_min,
+        help="ngram: shortest match of the context's last tokens that drafts (%(default)s)",
+    )
+    group.add_argument(
+        "--ngram-max",
+        type=int,
+        default=_DEFAULTS.ngram_max,
+        help="ngram: longest match tried first (%(default)s)",
+    )
+    group.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=_DEFAULTS.speculative_max_batch,
+        help="no speculation in a step where more requests than this decode (%(default)s)",
     )

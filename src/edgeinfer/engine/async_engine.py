@@ -110,6 +110,15 @@ class AsyncLLMEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def has_adapter(self, name: str) -> bool:
+        return self.engine.adapters.has(name)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Register a LoRA adapter (engine/lora/) off the event loop: it reads and hashes its files. The
+        registry takes its own lock, and the model's hooks go on in the engine thread (AdapterError: a
+        ValueError saying why it cannot be served)."""
+        await asyncio.to_thread(self.engine.load_adapter, name, path)
+
     def stats(self) -> EngineStats:
         # No lock: plain counter reads are atomic under the GIL, and a metrics scrape must never wait
         # for a model step. The numbers may be one step stale.

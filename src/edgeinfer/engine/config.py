@@ -11,6 +11,7 @@ from edgeinfer.engine.attention.registry import (
     MLA_MODES,
     check_name,
 )
+from edgeinfer.engine.scheduler.drafting import DRAFTERS, SpecConfig
 from edgeinfer.engine.scheduler.queue import SchedulingPolicy
 
 # The models served when none is named (the loader fetches them from PyPI on first use: model/loader/).
@@ -44,6 +45,10 @@ class EngineConfig:
     # little of another's prefill, so a flood barely delays a victim's first token (docs/benchmarks.md,
     # shared-cache protection), paid in the flooder's prefill throughput. None: max_step_ms throughout.
     shared_step_ms: float | None = 75.0
+    # While batch-lane work (queued requests) runs beside interactive traffic, a step takes what fits in
+    # this (interactive decodes always): an interactive request arriving meanwhile waits about this long for
+    # the step in flight, paid in batch throughput (smaller decode batches). None: the budgets above.
+    batch_step_ms: float | None = 30.0
     batch_window_ms: float = 2.0
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
@@ -85,7 +90,7 @@ class EngineConfig:
     # quantize once with `edgeinfer quantize --gptq`.
     gptq_calibration: str | None = None
     # torch.compile one-sequence decode steps, the whole forward as one graph (model/compile.py), for
-    # models the fused C++ decode step does not take (int8/fp8 weights, a quantized KV cache,
+    # models the fused C++ decode step does not take (int8/fp8 weights, an int4 KV cache,
     # torch's kernels): where it takes the model it is faster than the graph, so nothing is compiled.
     # Needs a C++ compiler; compiles for minutes on first use; falls back to eager with a warning.
     # Inductor's fp32 intermediates can change greedy tokens, so it is off by default.
@@ -105,13 +110,25 @@ class EngineConfig:
     # Where the prepared-form cache, compiled graphs and kernel builds live; None: $EDGEINFER_CACHE_DIR,
     # else ~/.cache/edgeinfer.
     cache_dir: str | None = None
+    # Speculative decoding (scheduler/drafting.py, runner/speculative.py): `ngram` drafts up to
+    # `num_speculative_tokens` tokens per step for a decoding request by prompt lookup (the tokens that
+    # followed the latest earlier occurrence of its last n tokens, n from ngram_max down to ngram_min) and
+    # verifies them in the step: the same tokens as without it (greedy, and seeded sampling alike; the
+    # distribution of unseeded sampling), several per step where the output repeats its context. No
+    # request speculates in a step where more than `speculative_max_batch` requests decode (a big batch
+    # already uses the machine; extra rows would cost it). None: off.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
+    speculative_max_batch: int = 4
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        for name in ("max_step_ms", "shared_step_ms"):
+        for name in ("max_step_ms", "shared_step_ms", "batch_step_ms"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 (or None for no time budget)")
@@ -133,7 +150,23 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")
         check_name(ATTENTION_BACKENDS, self.attention_backend, "attention backend")
+        if self.speculative_method is not None and self.speculative_method not in DRAFTERS:
+            known = ", ".join(DRAFTERS)
+            raise ValueError(f"unknown speculative_method {self.speculative_method!r} ({known})")
+        self.spec_config()  # refuses bad draft lengths and n-gram sizes
         check_name(MLA_MODES, self.mla_mode, "MLA mode")
+
+    def spec_config(self) -> SpecConfig | None:
+        """The scheduler's speculative-decoding settings; None where it is off."""
+        if self.speculative_method is None:
+            return None
+        return SpecConfig(
+            method=self.speculative_method,
+            num_tokens=self.num_speculative_tokens,
+            ngram_min=self.ngram_min,
+            ngram_max=self.ngram_max,
+            max_batch=self.speculative_max_batch,
+        )
 
     def _weights_method(self) -> str:
         return (self.quantization or "").partition(":")[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -18,8 +19,9 @@ from edgeinfer.engine.cache_dir import cache_root
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.kv_cache import KVCacheManager
-from edgeinfer.engine.kv_cache.hashing import PUBLIC_NAMESPACE
+from edgeinfer.engine.kv_cache.hashing import PUBLIC_NAMESPACE, adapter_namespace
 from edgeinfer.engine.loading import EngineLayout, load_model, plan_layout, resolve_dtype, uses_cpu_gemv
+from edgeinfer.engine.lora import AdapterError, AdapterRegistry, UnknownAdapterError
 from edgeinfer.engine.model.compile import use_persistent_compile_cache
 from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
@@ -49,6 +51,12 @@ class EngineStats:
     # evicted so far.
     cached_blocks_by_tenant: dict[str, int] = field(default_factory=dict)
     evicted_blocks_by_tenant: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding, per draft source (scheduler/drafting.py): tokens drafted, and of those accepted.
+    spec_drafted_by_source: dict[str, int] = field(default_factory=dict)
+    spec_accepted_by_source: dict[str, int] = field(default_factory=dict)
+    # Of num_running / num_waiting: batch-lane requests (queued work), which interactive ones go before.
+    num_running_batch: int = 0
+    num_waiting_batch: int = 0
 
 
 @dataclass
@@ -103,6 +111,8 @@ class LLMEngine:
             fair_share=config.fair_share,
             max_step_ms=config.max_step_ms,
             shared_step_ms=config.shared_step_ms,
+            batch_step_ms=config.batch_step_ms,
+            speculative=config.spec_config(),
         )
         self.scheduler = Scheduler(sched_cfg, kv, clock)
         if config.compile:
@@ -122,6 +132,9 @@ class LLMEngine:
             guidance_tokenizer=guidance,
             decode_ops=self.runtime.kernels if uses_cpu_gemv(self.model) else None,
         )
+        # LoRA adapters by name (engine/lora/): no hooks on the model until the first one is loaded
+        self.adapters = AdapterRegistry(self.model, dtype)
+        self.runner.lora = self.adapters
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         if self.runner.compiled is not None:
@@ -169,9 +182,22 @@ class LLMEngine:
             check_prompt(request.prompt_token_ids, self.model.args.vocab_size, self.layout.max_model_len)
         except ValueError as e:
             raise EngineInputError(str(e)) from None
+        if request.adapter is not None and not self.adapters.has(request.adapter):
+            raise UnknownAdapterError(f"adapter {request.adapter!r} does not exist")
 
     def add_request(self, request: EngineRequest) -> str:
         self.validate(request)
+        if request.adapter is not None:  # UnknownAdapterError (an EngineInputError) for a name not loaded
+            fingerprint = self.adapters.acquire(request.request_id, request.adapter)
+            namespace = adapter_namespace(request.cache_namespace, fingerprint)
+            request = dataclasses.replace(request, cache_namespace=namespace)
+        try:
+            return self._add(request)
+        except Exception:
+            self.adapters.release([request.request_id])
+            raise
+
+    def _add(self, request: EngineRequest) -> str:
         req = Request.from_engine_request(request, self.tokenizer.eos_token_ids, self.clock())
         matcher = self._matcher(request.sampling.grammar)
         # Output state first: a request the scheduler holds must always have one, or every step would fail.
@@ -184,6 +210,21 @@ class LLMEngine:
         if matcher is not None:
             self.grammar.add(request.request_id, matcher)
         return request.request_id
+
+    # ---- adapters --------------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> None:
+        """Register the PEFT LoRA adapter in directory `path` as `name` (AdapterError, a ValueError with a
+        one-line message, if it cannot be served on this model); `pin` keeps it resident for good."""
+        if self.config.quantization and self.config.calibrate_quantization:
+            # smoothing divides each layer's input by a scale folded into the norm before it, so the
+            # modules see another input than the adapter was trained on
+            raise AdapterError(
+                "adapters need a base quantized without calibration (--no-calibrate-quantization)"
+            )
+        self.adapters.register(name, path, pin)
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapters.unregister(name)
 
     @property
     def grammar(self) -> GrammarRuntime:
@@ -200,6 +241,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
+        self.adapters.release([request_id])
         return self.outputs.make_output(req, self.clock()) if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
@@ -211,6 +253,7 @@ class LLMEngine:
         logits, an exception while decoding its text) fails that request alone; the others' tokens are
         those of a step without it."""
         sched = self.scheduler.schedule()
+        self.adapters.release(sched.finished)  # any finish the step's outputs below did not report
         # Blocks last written for another tenant: scrubbed before this step writes them (block_pool.py).
         self.runner.storage.zero_blocks(self.scheduler.kv.pool.take_dirty())
         started = time.perf_counter()  # the machine's own time, whatever clock the engine is given
@@ -229,9 +272,14 @@ class LLMEngine:
                 outputs.append(self.outputs.fail(req, message, now))
         for rid, lps in result.prompt_logprobs.items():
             self.outputs.add_prompt_logprobs(rid, lps)
+        had = {c.request_id: len(c.output_token_ids) for c in sched.chunks}
         for req in self.scheduler.update(sched, result.tokens):
             grammar_done = req.request_id in result.grammar_done
-            outputs.append(self._token_output(req, result.logprobs.get(req.request_id), grammar_done, now))
+            n = len(req.output_token_ids) - had[req.request_id]
+            lps = result.logprobs.get(req.request_id, [])
+            outputs.append(self._token_output(req, n, lps, grammar_done, now))
+        # finished requests no longer hold their adapters resident (nor keep them from being unloaded)
+        self.adapters.release([o.request_id for o in outputs if o.finished])
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -254,13 +302,17 @@ class LLMEngine:
         return result
 
     def _token_output(
-        self, req: Request, logprob: TokenLogprob | None, grammar_done: bool, now: float
+        self, req: Request, n: int, logprobs: list[TokenLogprob], grammar_done: bool, now: float
     ) -> RequestOutput:
-        """Decode the request's new token (stop strings included); an exception there fails it alone."""
+        """Decode the request's `n` new tokens (stop strings included); an exception there fails it alone.
+        A stop string ending at one of them drops the ones after it: without speculation the request
+        would have finished there."""
         try:
-            if self.outputs.on_token(req, logprob, now):
+            kept = self.outputs.on_tokens(req, n, logprobs, now)
+            if kept is not None:
+                del req.output_token_ids[len(req.output_token_ids) - n + kept :]
                 if req.is_finished:
-                    req.finish_reason = FinishReason.STOP  # the stop string came with the last token
+                    req.finish_reason = FinishReason.STOP  # it ended at or after the stop string's token
                 else:
                     self.scheduler.finish(req.request_id, FinishReason.STOP)
             elif grammar_done and not req.is_finished:
@@ -282,14 +334,17 @@ class LLMEngine:
         self,
         prompts: Sequence[str | list[int]],
         sampling: SamplingParams | Sequence[SamplingParams],
+        adapters: str | Sequence[str | None] | None = None,
     ) -> list[Completion]:
-        """Run prompts to completion together (continuous batching), results in prompt order."""
+        """Run prompts to completion together (continuous batching), results in prompt order; `adapters`:
+        one adapter name for all, or one (or None, the base) per prompt."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        names = [adapters] * len(prompts) if adapters is None or isinstance(adapters, str) else list(adapters)
         order = []
-        for prompt, sp in zip(prompts, params, strict=True):
+        for prompt, sp, adapter in zip(prompts, params, names, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"gen-{next(self._ids)}"
-            self.add_request(EngineRequest(rid, ids, sp, arrival_time=self.clock()))
+            self.add_request(EngineRequest(rid, ids, sp, arrival_time=self.clock(), adapter=adapter))
             order.append((rid, ids))
         collected: dict[str, list[RequestOutput]] = {rid: [] for rid, _ in order}
         while self.has_unfinished_requests():
@@ -314,10 +369,14 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             cached_blocks_by_tenant=kv.pool.held_by_owner(),
             evicted_blocks_by_tenant=dict(kv.pool.evicted_by_owner),
+            spec_drafted_by_source=dict(self.scheduler.spec_drafted),
+            spec_accepted_by_source=dict(self.scheduler.spec_accepted),
+            num_running_batch=sum(r.is_batch for r in list(self.scheduler.running)),  # a copy: no lock here
+            num_waiting_batch=self.scheduler.waiting.num_batch,
         )
 
     def memory_bytes(self) -> int:
-        return self.layout.weight_bytes + self.layout.kv_bytes
+        return self.layout.weight_bytes + self.layout.kv_bytes + self.adapters.resident_bytes()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

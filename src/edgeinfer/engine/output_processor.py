@@ -74,17 +74,25 @@ class OutputProcessor:
         if st is not None and st.prompt_logprobs is not None:
             st.prompt_logprobs.extend(lps)
 
-    def on_token(self, req: Request, logprob: TokenLogprob | None, now: float) -> bool:
-        """Decode the request's newest token; True if a stop string ended the text (already cut)."""
+    def on_tokens(self, req: Request, n: int, logprobs: list[TokenLogprob], now: float) -> int | None:
+        """Decode the request's `n` newest tokens in order (`logprobs`: theirs, where asked). If a stop
+        string ends the text (cut there) at one of them, returns how many of the `n` it keeps."""
         st = self.states[req.request_id]
         if st.timeline.first_token is None:
             st.timeline.first_token = now
             st.timeline.first_scheduled = req.first_scheduled_time
-        if logprob is not None:
-            st.pending_logprobs.append(logprob)
+        tokens = req.output_token_ids[len(req.output_token_ids) - n :]
+        for i, token in enumerate(tokens):
+            if i < len(logprobs):
+                st.pending_logprobs.append(logprobs[i])
+            if self._on_token(st, req, token, last=i == n - 1):
+                return i + 1
+        return None
+
+    def _on_token(self, st: OutputState, req: Request, token: int, last: bool) -> bool:
+        """Decode one token; True if a stop string ended the text (already cut)."""
         before = len(st.text)
-        token = req.output_token_ids[-1]
-        if req.is_finished and token in req.eos_token_ids:
+        if last and req.is_finished and token in req.eos_token_ids:
             return False  # end of turn: not text, even when special tokens are kept in the text
         st.text += st.detok.add([token])
         if not st.stop:

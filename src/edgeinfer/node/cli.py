@@ -10,6 +10,7 @@ from pathlib import Path
 
 from edgeinfer.api.limits import NodeLimits
 from edgeinfer.api.router_trust import load_secret
+from edgeinfer.batch.flags import batch_settings
 from edgeinfer.cli.engine_args import engine_config, start_runtime_for
 from edgeinfer.engine.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from edgeinfer.node.cli_flags import add_arguments
@@ -52,6 +53,8 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         location=args.location,
         nats_url=args.nats_url,
         status_interval_s=args.status_interval_ms / 1000.0,
+        batch=batch_settings(args),
+        batch_slots=args.batch_slots,
         router_secret=load_secret(args.router_secret_file) if args.router_secret_file else None,
         switch_interval_s=args.switch_interval_ms / 1000.0,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from edgeinfer.api.limits import NodeLimits
+from edgeinfer.batch.flags import add_batch_flags
 from edgeinfer.cli.engine_args import add_engine_arguments
 from edgeinfer.engine.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from edgeinfer.node.config import ConnectionLimits, NodeConfig, default_usage_db
@@ -151,11 +152,21 @@ def _fleet_flags(fleet: argparse._ArgumentGroup) -> None:
         "--nats-url",
         default=None,
         metavar="URL",
-        help="publish this node's status and its usage events (for `edgeinfer ledger`) on NATS (nats://...)",
+        help="publish this node's status and its usage events (for `edgeinfer ledger`) on NATS (nats://...), "
+        "and take queued requests (the Batch API) from its JetStream",
     )
     fleet.add_argument(
         "--status-interval-ms", type=float, default=100.0, help="how often the status is published (100)"
     )
+    fleet.add_argument(
+        "--batch-slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="queued entries (the Batch API, with --nats-url) of one model this node runs at once "
+        "(default: one per engine seat, when no interactive request waits; 0: run none)",
+    )
+    add_batch_flags(fleet)
     fleet.add_argument(
         "--router-secret-file",
         default=None,

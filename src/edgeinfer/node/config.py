@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgeinfer.api.limits import NodeLimits
+from edgeinfer.batch.settings import BatchSettings
 
 
 def default_usage_db() -> str:
@@ -53,6 +54,10 @@ class NodeConfig:
     location: str = ""
     nats_url: str | None = None  # publish NodeStatus there every status_interval_s, and usage events
     status_interval_s: float = 0.1
+    # The Batch API's queue on the same NATS (batch/store.py); entries of one model run at once here (None:
+    # one per engine seat; 0: none, the node only takes submissions and polls).
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    batch_slots: int | None = None
     # Shared with the routers: a request signed with it carries a tenant the node trusts (router_trust).
     router_secret: bytes | None = None
     # The interpreter's switch interval, set once when the server starts (http/server.configure_process).

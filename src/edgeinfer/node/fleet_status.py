@@ -41,8 +41,9 @@ def node_status(config: NodeConfig, pool: ModelPool) -> NodeStatus:
     kv_usage = 0.0
     for member in pool.residents().values():
         stats = member.stats()  # upstreams: their own gauges, as their metrics show them
-        running += stats.num_running
-        waiting += stats.num_waiting
+        # Queued (batch-lane) work gives way to interactive requests: routers should not count it as load.
+        running += stats.num_running - stats.num_running_batch
+        waiting += stats.num_waiting - stats.num_waiting_batch
         capacity += stats.seats or 0
         kv_usage = max(kv_usage, stats.kv_usage or 0.0)
     return NodeStatus(

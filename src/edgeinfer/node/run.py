@@ -21,6 +21,7 @@ from edgeinfer.node.billing.ratelimit import Admission
 from edgeinfer.obs.metrics import NodeMetrics, RequestMeasure
 from edgeinfer.pool.manager import Lease
 from edgeinfer.types import Usage
+from edgeinfer.types.request import Lane
 
 
 @dataclass(kw_only=True)
@@ -119,7 +120,12 @@ class RequestRun:
             input_tokens=usage.prompt_tokens,
             cached_input_tokens=usage.cached_tokens,
             output_tokens=usage.completion_tokens,
-            cost_units=price.cost(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens),
+            cost_units=price.cost(
+                usage.prompt_tokens,
+                usage.cached_tokens,
+                usage.completion_tokens,
+                batch=self.job.lane is Lane.BATCH,
+            ),
         )
 
     def _observe(self) -> None:

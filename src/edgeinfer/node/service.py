@@ -27,6 +27,7 @@ from edgeinfer.api.jobs import Job
 from edgeinfer.api.limits import NodeLimits
 from edgeinfer.api.tenants import Tenant, TenantRegistry
 from edgeinfer.api.usage import usage_body
+from edgeinfer.node.adapters import NodeAdapters
 from edgeinfer.node.backends.base import Backend
 from edgeinfer.node.backends.embedding_run import (
     EmbeddingOutcome,
@@ -39,13 +40,14 @@ from edgeinfer.node.billing.capacity import Capacity
 from edgeinfer.node.billing.metering import UsageStore
 from edgeinfer.node.billing.prices import PriceTable
 from edgeinfer.node.billing.ratelimit import Admission, RateLimiter, RateLimitExceeded
-from edgeinfer.node.http.answer import respond, stream
-from edgeinfer.node.http.render import Renderer
+from edgeinfer.node.http.answer import collect, respond, stream
+from edgeinfer.node.http.render import Renderer, WorkersAIRenderer
 from edgeinfer.node.run import RequestRun
 from edgeinfer.obs.metrics import NodeMetrics
 from edgeinfer.pool.manager import Lease, ModelPool, PoolCapacityError, UnknownModelError
 from edgeinfer.pool.member import EMBED, PoolMember
 from edgeinfer.pool.upstream import UpstreamError
+from edgeinfer.types.request import Lane
 
 logger = logging.getLogger("edgeinfer.node")
 
@@ -73,6 +75,7 @@ class NodeService:
         self.metrics = metrics
         self.capacity = Capacity(limits.max_queue_depth)
         self._live: dict[str, RequestRun] = {}  # requests at their model, for usage checkpoints
+        self.adapters = NodeAdapters(pool)
 
     async def execute(
         self, request: Request, tenant: Tenant, job: Job, renderer_cls: type[Renderer]
@@ -82,8 +85,10 @@ class NodeService:
             response_id=job.request_id, tenant=tenant.name, endpoint=job.endpoint, stream=job.stream
         )
         tenant.check_priority(job.priority)
-        model = self._resolve(job.model)
+        model = self._base_model(job, tenant)
         access["model"] = model
+        if job.adapter is not None:
+            access["adapter"] = job.adapter
         if self.pool.task(model) == EMBED:
             raise wrong_task(model, EMBED)
         headers: dict[str, str] = {}
@@ -95,16 +100,40 @@ class NodeService:
             return await stream(request, run, backend, renderer, headers, self.stream_write_timeout_s)
         return await respond(request, run, backend, renderer, headers)
 
+    async def run_queued(self, tenant: Tenant, job: Job) -> dict[str, Any]:
+        """Run a queued Batch-API entry (no client waits on it) through the same admission, pool, limits
+        and metering as any request; its Workers-AI `result`. ApiError as any route would answer."""
+        tenant.check_priority(job.priority)
+        model = self._base_model(job, tenant)
+        if self.pool.task(model) == EMBED:
+            raise wrong_task(model, EMBED)
+        access: dict[str, Any] = {"request_id": job.request_id, "tenant": tenant.name, "model": model}
+        run, backend = await self._start(job, tenant, model, access)
+        collected = await collect(run, backend)
+        return WorkersAIRenderer(job, backend.version).response(collected, run.outcome.usage)["result"]
+
     def model_task(self, name: str) -> str:
         """generate or embed, for a model name or alias (404 if unknown)."""
-        return self.pool.task(self._resolve(name))
+        return self.pool.task(self.resolve(name))
 
     async def embed(self, request: Request, tenant: Tenant, job: EmbeddingJob) -> EmbeddingOutcome | None:
         """Run an embeddings job through the same admission, pool, limits and metering as generation;
         None when the client went away before the vectors were ready."""
         access = request.state.access
         access.update(response_id=job.request_id, tenant=tenant.name, endpoint=job.endpoint, stream=False)
-        model = self._resolve(job.model)
+        return await self._embed(request, tenant, job, access)
+
+    async def embed_queued(self, tenant: Tenant, job: EmbeddingJob) -> dict[str, Any]:
+        """A queued Batch-API entry for an embedding model: its Workers-AI `result` (shape, data)."""
+        access: dict[str, Any] = {"request_id": job.request_id, "tenant": tenant.name}
+        outcome = await self._embed(None, tenant, job, access)
+        assert outcome is not None  # only a client that left ends without vectors
+        return {"shape": list(outcome.vectors.shape), "data": outcome.vectors.tolist()}
+
+    async def _embed(
+        self, request: Request | None, tenant: Tenant, job: EmbeddingJob, access: dict[str, Any]
+    ) -> EmbeddingOutcome | None:
+        model = self.resolve(job.model)
         access["model"] = model
         if self.pool.task(model) != EMBED:
             raise wrong_task(model, self.pool.task(model))
@@ -114,7 +143,15 @@ class NodeService:
             _reserve_tokens(run, sum(len(seq) for seq in ids))
         return await run_embeddings(request, run, ids)
 
-    def _resolve(self, name: str) -> str:
+    def _base_model(self, job: Job, tenant: Tenant) -> str:
+        """`resolve` for a generation job, which may name one of the tenant's LoRA adapters."""
+        try:
+            return self.adapters.base_model(job, tenant)
+        except UnknownModelError as exc:
+            raise model_not_found(str(exc)) from None
+
+    def resolve(self, name: str) -> str:
+        """The canonical name of a model or alias (404 if unknown)."""
         try:
             return self.pool.resolve(name)
         except UnknownModelError as exc:
@@ -150,12 +187,16 @@ class NodeService:
         run = await self._open_run(job, tenant, model, access)
         with run.finish_on_error():
             member: PoolMember = run.lease.member
+            await self.adapters.ensure(member, tenant, job)
             backend = open_backend(member, self.limits, tenant)
-            load = member.stats()
-            # no await between the check and the reservation: a burst cannot overshoot the queue
-            run.reservation = self.capacity.reserve(
-                model, job.num_choices, load.seats, load.num_waiting, job.reject_if_busy
-            )
+            if job.lane is Lane.INTERACTIVE:
+                # Batch work is bounded by the batch worker and gives way to this, so it is not counted.
+                load = member.stats()
+                waiting = load.num_waiting - load.num_waiting_batch
+                # no await between the check and the reservation: a burst cannot overshoot the queue
+                run.reservation = self.capacity.reserve(
+                    model, job.num_choices, load.seats, waiting, job.reject_if_busy
+                )
             _reserve_tokens(run, backend.prepare(job))
         return run, backend
 

@@ -51,6 +51,9 @@ class EngineGauges:
     num_preemptions: int | None = None
     cached_blocks_by_tenant: Mapping[str, int] = field(default_factory=dict)
     evicted_blocks_by_tenant: Mapping[str, int] = field(default_factory=dict)
+    # speculative decoding per draft source: tokens drafted, and of those accepted
+    spec_drafted_by_source: Mapping[str, int] = field(default_factory=dict)
+    spec_accepted_by_source: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,33 @@ class _EngineCollector(Collector):
                     family.add_metric([model], value)
             yield family
         yield from _tenant_cache_families(stats)
+        yield from _speculative_families(stats)
+
+
+def _speculative_families(stats: Mapping[str, EngineGauges]) -> Iterable[Metric]:
+    """Draft tokens proposed and accepted per model and draft source (as vLLM's spec_decode series), and
+    their ratio: how much of the drafting paid."""
+    labels = ["model", "source"]
+    drafted = CounterMetricFamily(
+        PREFIX + "spec_decode_num_draft_tokens",
+        "Draft tokens verified (speculative decoding).",
+        labels=labels,
+    )
+    accepted = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted by verification.", labels=labels
+    )
+    rate = GaugeMetricFamily(
+        PREFIX + "spec_decode_acceptance_rate", "Accepted / drafted tokens since load.", labels=labels
+    )
+    for model, s in stats.items():
+        for source, n in s.spec_drafted_by_source.items():
+            ok = s.spec_accepted_by_source.get(source, 0)
+            drafted.add_metric([model, source], n)
+            accepted.add_metric([model, source], ok)
+            rate.add_metric([model, source], ok / n if n else 0.0)
+    yield drafted
+    yield accepted
+    yield rate
 
 
 def _tenant_cache_families(stats: Mapping[str, EngineGauges]) -> Iterable[Metric]:

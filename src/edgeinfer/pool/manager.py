@@ -138,6 +138,10 @@ class ModelPool:
     def spec(self, name: str) -> MemberSpec:
         return self._slots[self.resolve(name)].spec
 
+    def names(self) -> dict[str, str]:
+        """Every name a request may use (canonical names and aliases) → its canonical name."""
+        return dict(self._names)
+
     def task(self, name: str) -> str:
         """What a member serves (generate or embed), known before it loads; asked once, then kept."""
         slot = self._slots[self.resolve(name)]

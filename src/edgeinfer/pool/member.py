@@ -36,6 +36,12 @@ class MemberStats:
     # Per tenant: cached (unreferenced) KV blocks it holds, and blocks evicted from it (local engines).
     cached_blocks_by_tenant: Mapping[str, int] = dataclasses.field(default_factory=dict)
     evicted_blocks_by_tenant: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # Of num_running / num_waiting: batch-lane work (queued entries), which interactive requests go before.
+    num_running_batch: int = 0
+    num_waiting_batch: int = 0
+    # Speculative decoding per draft source (local engines): tokens drafted, and of those accepted.
+    spec_drafted_by_source: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    spec_accepted_by_source: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 class PoolMember(abc.ABC):
@@ -96,6 +102,10 @@ class LocalMember(PoolMember):
             s.num_preemptions,
             s.cached_blocks_by_tenant,
             s.evicted_blocks_by_tenant,
+            num_running_batch=s.num_running_batch,
+            num_waiting_batch=s.num_waiting_batch,
+            spec_drafted_by_source=s.spec_drafted_by_source,
+            spec_accepted_by_source=s.spec_accepted_by_source,
         )
 
     def health(self) -> str | None:

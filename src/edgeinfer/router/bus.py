@@ -1,6 +1,6 @@
 """The router's NATS connection and what runs on it: node statuses (sources.py), the tenants' fleet
-limits (limits/), the check that every router holds the same tenants file, and the nodes' usage events,
-which settle the limits' token reservations."""
+limits (limits/), the check that every router holds the same tenants file, the nodes' usage events,
+which settle the limits' token reservations, and the Batch API's queue (batch/)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import secrets
 from typing import Any
 
+from edgeinfer.batch.store import BatchStore
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.limits.limiter import FleetLimiter
 from edgeinfer.router.limits.tenants_check import TenantsCheck
@@ -26,6 +27,7 @@ class FleetBus:
         self.router_id = f"{config.location}-{secrets.token_hex(6)}"
         self.nc: Any = None
         self.limiter: FleetLimiter | None = None
+        self.batch: BatchStore | None = None  # the Batch API's queue (None: NATS without JetStream)
         self._state = state
         self._metrics = metrics
         self._digest = tenants_digest
@@ -48,6 +50,7 @@ class FleetBus:
             await limiter.start()
             self._check = TenantsCheck(js, self.router_id, self._digest, self._metrics)
             await self._check.start()
+            batch = await BatchStore(js, self.config.batch).open()
         except Exception as exc:  # the server runs without JetStream (`nats-server -js` has it)
             logger.error(
                 "fleet limits off: NATS at %s has no JetStream (%s); only the nodes' own limits hold",
@@ -55,7 +58,7 @@ class FleetBus:
                 exc,
             )
             return
-        self.limiter = limiter
+        self.limiter, self.batch = limiter, batch
         await self.nc.subscribe(f"{USAGE_SUBJECT_PREFIX}.>", cb=self._on_usage)
 
     async def _on_usage(self, msg: Any) -> None:  # a nats.aio.msg.Msg

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from edgeinfer.api.router_trust import load_secret
+from edgeinfer.batch.flags import add_batch_flags, batch_settings
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.limits.limiter import FleetLimitsConfig
 from edgeinfer.router.policy import PolicyConfig, Strategy
@@ -41,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nats-url",
         default=None,
         metavar="URL",
-        help="fleet state from NATS (else: poll each node's /node/status)",
+        help="fleet state, tenants' fleet limits and the Batch API's queue on NATS (else: poll each "
+        "node's /node/status; no fleet limits, no queue)",
     )
     parser.add_argument("--tenants", default=None, metavar="FILE", help="the nodes' tenants file (else open)")
     parser.add_argument(
@@ -73,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the fleet limits' window: requests_per_minute and tokens_per_minute count per this many "
         "seconds (%(default)g: per minute; shorter for tests)",
     )
+    add_batch_flags(parser.add_argument_group("the Batch API's queue (with --nats-url)"))
     policy = parser.add_argument_group("policy constants (docs/router.md)")
     defaults = PolicyConfig()
     for name, text in _POLICY_HELP.items():
@@ -88,6 +91,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         tenants_file=args.tenants,
         router_secret=load_secret(args.router_secret_file) if args.router_secret_file else None,
         nats_url=args.nats_url,
+        batch=batch_settings(args),
         strategy=args.strategy,
         policy=policy,
         emulate_rtt=args.emulate_rtt,

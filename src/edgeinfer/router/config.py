@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edgeinfer.api.limits import NodeLimits
+from edgeinfer.batch.settings import BatchSettings
 from edgeinfer.router.limits.limiter import FleetLimitsConfig
 from edgeinfer.router.placement import PlacementConfig
 from edgeinfer.router.policy import PolicyConfig, Strategy
@@ -19,6 +20,7 @@ class RouterConfig:
     # Tenants' limits across the fleet, on NATS JetStream (router/limits/); without NATS the router enforces
     # none and the nodes' own limits hold, per node.
     fleet_limits: FleetLimitsConfig = field(default_factory=FleetLimitsConfig)
+    batch: BatchSettings = field(default_factory=BatchSettings)  # the Batch API's queue, on NATS JetStream
     poll_interval_s: float = 0.1
     strategy: Strategy = Strategy.TTFT
     policy: PolicyConfig = field(default_factory=PolicyConfig)

@@ -209,6 +209,7 @@ class Relay:
         self._client: ClientConnection | None = None
         self._chunked = True
         self._done: asyncio.Future[bool] | None = None
+        self._out: list[bytes] = []  # for the client, written at the next flush
 
     @property
     def node_id(self) -> str:
@@ -240,7 +241,7 @@ class Relay:
         self._done = asyncio.get_running_loop().create_future()
         ok = False
         try:
-            client.write(head(self.status, headers, framing, keep_alive))
+            self._out.append(head(self.status, headers, framing, keep_alive))  # with the body that came
             self._on_start()
             client.flow = self
             self._node.attach(self)
@@ -261,17 +262,18 @@ class Relay:
     # --- the node connection's sink ---------------------------------------------------------------
 
     def chunk(self, data: bytes) -> None:
+        self._out.append(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+
+    def flush(self) -> None:
         assert self._client is not None
-        if self._client.closed:
-            return
-        if self._chunked:
-            data = b"%x\r\n%s\r\n" % (len(data), data)
-        self._client.transport.write(data)  # type: ignore[union-attr]
+        if self._out:
+            self._client.write(self._out[0] if len(self._out) == 1 else b"".join(self._out))
+            self._out.clear()
 
     def end(self) -> None:
         assert self._client is not None and self._done is not None
         if self._chunked:
-            self._client.write(b"0\r\n\r\n")
+            self._out.append(b"0\r\n\r\n")
         if not self._done.done():
             self._done.set_result(True)
 

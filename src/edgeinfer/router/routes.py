@@ -13,7 +13,9 @@ import re
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
+from typing import Any
 
+from edgeinfer.api.adapters import split_model
 from edgeinfer.api.embeddings import openai_embedding_job, workers_ai_embedding_job
 from edgeinfer.api.errors import ApiError, bad_request
 from edgeinfer.api.jobs import Job
@@ -25,6 +27,9 @@ from edgeinfer.api.schemas import (
     WorkersAIRunRequest,
 )
 from edgeinfer.api.tenants import Tenant
+from edgeinfer.batch import answers
+from edgeinfer.batch.store import BatchStore
+from edgeinfer.batch.submission import Entry, Poll, read_batch_body
 from edgeinfer.obs.metrics import CONTENT_TYPE
 from edgeinfer.router import status_page
 from edgeinfer.router.body import json_value, validated
@@ -36,6 +41,7 @@ Answer = Reply | Streamed
 Handler = Callable[[RouterService, Request], Awaitable[Answer]]
 _STARTED = int(time.time())
 _WORKERS_AI = re.compile(r"/accounts/([^/]+)/ai/run/(.*)", re.DOTALL)
+_TRUE, _FALSE = {"true", "1", "yes", "on", "t", "y"}, {"false", "0", "no", "off", "f", "n"}
 
 
 def tenant_of(service: RouterService, request: Request) -> Tenant:
@@ -46,14 +52,14 @@ async def completions(service: RouterService, request: Request) -> Answer:
     value = json_value(request)
     tenant = tenant_of(service, request)
     job = completion_job(validated(CompletionRequest, value), value, service.config.limits)
-    return await service.route(request, tenant, job.model, _output_tokens(job, service))
+    return await service.route(request, tenant, _base(service, job.model), _output_tokens(job, service))
 
 
 async def chat_completions(service: RouterService, request: Request) -> Answer:
     value = json_value(request)
     tenant = tenant_of(service, request)
     job = chat_job(validated(ChatCompletionRequest, value), value, service.config.limits)
-    return await service.route(request, tenant, job.model, _output_tokens(job, service))
+    return await service.route(request, tenant, _base(service, job.model), _output_tokens(job, service))
 
 
 async def embeddings(service: RouterService, request: Request) -> Answer:
@@ -68,13 +74,54 @@ async def run_model(service: RouterService, request: Request, model: str) -> Ans
     model the text-generation shape."""
     value = json_value(request)
     tenant = tenant_of(service, request)
+    if _queue_request(request):
+        return await _queued(service, request, tenant, model, value)
     body = validated(WorkersAIRunRequest, value)
     check_one_workers_ai_input(body)
     if service.is_embedding_model(model):
         embedding = workers_ai_embedding_job(model, body, service.config.limits)
         return await service.route(request, tenant, embedding.model)
     job = workers_ai_job(model, body, value, service.config.limits)
-    return await service.route(request, tenant, job.model, _output_tokens(job, service))
+    return await service.route(request, tenant, _base(service, job.model), _output_tokens(job, service))
+
+
+def _queue_request(request: Request) -> bool:
+    """`?queueRequest=...` as the node's FastAPI reads a bool (400 for anything else)."""
+    values = urllib.parse.parse_qs(request.query.decode("latin-1")).get("queueRequest")
+    if not values:
+        return False
+    value = values[-1].lower()
+    if value not in _TRUE | _FALSE:
+        raise bad_request("queueRequest: Input should be a valid boolean", param="queueRequest")
+    return value in _TRUE
+
+
+async def _queued(service: RouterService, request: Request, tenant: Tenant, model: str, value: Any) -> Answer:
+    """The Batch API on the fleet's queue: the router queues and answers; the nodes pull. A model that no
+    node serves now is queued all the same (its poll says so): nodes serving it may come."""
+    store = service.batch_store()
+    read = read_batch_body(value, model, service.config.limits, embeddings=service.embeds(model))
+    if isinstance(read, Poll):
+        poll = read
+        answer = await service.queued(
+            request, tenant, lambda: answers.poll(store, tenant.name, poll.request_id)
+        )
+    else:
+        entries = read
+        answer = await service.queued(request, tenant, lambda: _submit(store, tenant, model, entries))
+    return json_reply(answer)
+
+
+async def _submit(store: BatchStore, tenant: Tenant, model: str, entries: list[Entry]) -> dict[str, Any]:
+    return answers.queued(await store.submit(tenant.name, model, entries))
+
+
+def _base(service: RouterService, model: str) -> str:
+    """The model the fleet places by: a tenant's adapter (`base:adapter`) runs on its base's nodes, which
+    check that the adapter is the tenant's; a served model whose own name holds ':' stays whole."""
+    if ":" not in model or model in service.state.served_models(service.config.policy.drop_after_s):
+        return model
+    return split_model(model)[0]
 
 
 def _output_tokens(job: Job, service: RouterService) -> int:

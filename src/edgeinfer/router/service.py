@@ -6,12 +6,14 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from edgeinfer.api import router_trust
-from edgeinfer.api.errors import ApiError, busy, model_not_found, unavailable
+from edgeinfer.api.errors import ApiError, bad_request, busy, model_not_found, unavailable
 from edgeinfer.api.tenants import Tenant, TenantRegistry
 from edgeinfer.api.usage import usage_body
+from edgeinfer.batch.store import BatchStore
 from edgeinfer.ledger.client import LedgerError, query_usage
 from edgeinfer.router.bus import FleetBus
 from edgeinfer.router.config import RouterConfig
@@ -105,7 +107,11 @@ class RouterService:
         max_age = self.config.policy.drop_after_s
         if model not in self.state.served_models(max_age):
             raise self._unknown(model)
-        return model in self.state.embedding_models(max_age)
+        return self.embeds(model)
+
+    def embeds(self, model: str) -> bool:
+        """Whether a live node serves `model` as an embedding model (False for a model none serves)."""
+        return model in self.state.embedding_models(self.config.policy.drop_after_s)
 
     def _unknown(self, model: str) -> ApiError:
         served = ", ".join(sorted(self.state.served_models(self.config.policy.drop_after_s))) or "nothing"
@@ -175,6 +181,31 @@ class RouterService:
         except LedgerError as exc:
             raise unavailable(f"fleet usage: {exc}") from None
         return usage_body(tenant.name, start, end, rows)
+
+    def batch_store(self) -> BatchStore:
+        """The Batch API's queue; 400 for a router without it."""
+        if self.bus is None or self.bus.batch is None:
+            message = "queueRequest needs the batch queue: start the router with --nats-url (JetStream on)"
+            raise bad_request(message, "queueRequest")
+        return self.bus.batch
+
+    async def queued(
+        self, request: Request, tenant: Tenant, work: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """A Batch-API submission or poll: one request against the tenant's fleet limits (no tokens: its
+        entries count against the limits of the nodes that run them)."""
+        admission = await self.limiter.admit(tenant, request.request_id, 0) if self.limiter else None
+        status = 500
+        try:
+            answer = await work()
+            status = 200
+            return answer
+        except ApiError as exc:
+            status = exc.status
+            raise
+        finally:
+            if admission is not None:
+                admission.end(status)
 
     def _decide(self, features: RequestFeatures) -> Decision:
         t0 = time.perf_counter()

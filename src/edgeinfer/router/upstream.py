@@ -22,6 +22,9 @@ class UpstreamError(ConnectionError):
 class Sink(Protocol):
     def chunk(self, data: bytes) -> None: ...
 
+    def flush(self) -> None:
+        """Write what `chunk` and `end` gave since the last flush: one write per read from the node."""
+
     def end(self) -> None: ...
 
     def broken(self) -> None: ...
@@ -79,6 +82,7 @@ class NodeConnection(asyncio.Protocol):
             sink.broken()
         else:
             self._sink = sink
+        sink.flush()
 
     def pause(self) -> None:
         if self.transport is not None:
@@ -116,10 +120,13 @@ class NodeConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
         self._last = self._loop.time()
+        sink = self._sink
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError:
             self.abort()
+        if sink is not None:
+            sink.flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True

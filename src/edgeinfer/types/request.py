@@ -29,7 +29,8 @@ class Lane(enum.StrEnum):
 class EngineRequest:
     """One generation request. `cache_namespace` is set by the server, never by a client;
     `tenant_weight` and `cache_share` are the tenant's weights in the fair share of prefill and of
-    cached KV blocks (from the tenants file)."""
+    cached KV blocks (from the tenants file). `adapter` names a LoRA adapter the engine has registered
+    (the node checks that it is the tenant's)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -42,6 +43,8 @@ class EngineRequest:
     cache_namespace: str = ""
     tenant_weight: float = 1.0
     cache_share: float = 1.0
+    # A LoRA adapter registered on the engine (engine/lora/), by name; None: the base model.
+    adapter: str | None = None
 
 
 @dataclass

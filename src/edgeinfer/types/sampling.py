@@ -17,6 +17,8 @@ class SamplingParams:
     `grammar`: an llguidance grammar (serialized, as `edgeinfer.structured.grammar` builds it) that every
     sampled token must follow; the request finishes when the grammar is complete.
     `skip_special_tokens`: leave special tokens out of the text (tool-call markers need them kept).
+    `speculative`: let the engine draft and verify several tokens per step where it speculates (the
+    tokens are the same either way; False opts this request out, e.g. to measure it without).
     """
 
     max_tokens: int = 16
@@ -37,6 +39,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     grammar: str | None = None
     skip_special_tokens: bool = True
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

@@ -17,6 +17,18 @@ from edgeinfer.types.cache_salt import encode_fields
 # The namespace of public prefixes. Tenants' namespaces are server-derived hex salts (or "" when the
 # engine is used without tenants), so none can equal it.
 PUBLIC_NAMESPACE = "\0public"
+# A request served through a LoRA adapter computes other K/V for the same tokens, so its namespace is its
+# tenant's plus this mark and the adapter's content hash: no other adapter, nor the base, shares its
+# blocks, and it never starts from the public prefixes (the base computed those).
+_ADAPTER_MARK = "\0adapter:"
+
+
+def adapter_namespace(namespace: str, adapter_fingerprint: str) -> str:
+    return f"{namespace}{_ADAPTER_MARK}{adapter_fingerprint}"
+
+
+def takes_public_prefixes(namespace: str) -> bool:
+    return _ADAPTER_MARK not in namespace
 
 
 def namespace_root(namespace: str) -> bytes:

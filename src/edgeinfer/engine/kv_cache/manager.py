@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from edgeinfer.engine.kv_cache.block_pool import BlockPool
 from edgeinfer.engine.kv_cache.eviction import make_eviction
-from edgeinfer.engine.kv_cache.hashing import PUBLIC_NAMESPACE, iter_hashes, tail_root
+from edgeinfer.engine.kv_cache.hashing import PUBLIC_NAMESPACE, iter_hashes, tail_root, takes_public_prefixes
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -54,7 +54,7 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         tokens = token_ids[: (len(token_ids) - 1) // bs * bs]
-        public = self.pinned or namespace == PUBLIC_NAMESPACE
+        public = (self.pinned and takes_public_prefixes(namespace)) or namespace == PUBLIC_NAMESPACE
         blocks = self._walk(iter_hashes(PUBLIC_NAMESPACE, tokens, bs)) if public else []
         if namespace != PUBLIC_NAMESPACE:
             root = tail_root(namespace, self.pool.block_hash[blocks[-1]] if blocks else None)
@@ -136,6 +136,18 @@ class KVCacheManager:
         for i, h in enumerate(new, start=start):
             self.pool.register(table[i], h, chain.owner)
         chain.hashes.extend(new)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the request's blocks past the first `num_tokens` tokens (taken for draft tokens that
+        were rejected). They were never indexed: only blocks full of computed tokens are, and a rejected
+        draft is never counted as computed."""
+        table = self.tables.get(request_id)
+        keep = blocks_for(num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        tail = table[keep:]
+        del table[keep:]
+        self.pool.release(tail[::-1])
 
     def pin(self, blocks: list[int]) -> int:
         """Keep cached blocks (a public prefix computed at load) for good: each gets one reference that

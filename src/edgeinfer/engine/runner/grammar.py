@@ -1,6 +1,11 @@
 """Grammar-constrained sampling with llguidance: one matcher per constrained request, a token bitmask per
 sampled row each step, tokens fed back to the matchers after sampling.
 
+A request verifying draft tokens (runner/speculative.py) has one row per draft besides its own: row j's mask
+is the grammar's state after the first j drafts (llguidance advances a matcher through the drafts and
+rolls it back); a draft the grammar forbids is masked out of the row that checks it, so it is rejected
+there, and the rows after it are never emitted.
+
 The masks of step N+1 only depend on the tokens of step N, so they are computed on a worker thread while
 the model runs step N+1's forward (llguidance releases the GIL while it computes; the forward spends its
 time in torch ops that release it too). A matcher that errs fails its own request only.
@@ -20,7 +25,7 @@ import numpy as np
 import torch
 
 from edgeinfer.engine.direct_tokenizer import serialized_tokenizer
-from edgeinfer.engine.scheduler import ScheduledChunk
+from edgeinfer.engine.runner.inputs import SampleGroup
 
 log = logging.getLogger(__name__)
 
@@ -97,39 +102,52 @@ class GrammarRuntime:
         for rid in request_ids:
             self._matchers.pop(rid, None)
 
-    def start_masks(self, chunks: list[ScheduledChunk]) -> Future[StepMasks] | None:
-        """Begin computing the masks of the constrained rows among `chunks` (sample order)."""
-        rows = [(i, c.request_id, m) for i, c in enumerate(chunks) if (m := self._matchers.get(c.request_id))]
+    def start_masks(self, groups: list[SampleGroup]) -> Future[StepMasks] | None:
+        """Begin computing the masks of the constrained rows among the sample rows of `groups`."""
+        rows = [(g, m) for g in groups if (m := self._matchers.get(g.chunk.request_id))]
         if not rows:
             return None
         return self._pool.submit(self._masks, rows)
 
-    def _masks(self, rows: list[tuple[int, str, llguidance.LLMatcher]]) -> StepMasks:
+    def _masks(self, rows: list[tuple[SampleGroup, llguidance.LLMatcher]]) -> StepMasks:
         words = (self._tokenizer.vocab_size + 31) // 32
         out = StepMasks()
-        live = []
-        for row, rid, matcher in rows:
+        live, drafted = [], []
+        for g, matcher in rows:
             if matcher.is_error():
-                out.errors[rid] = f"grammar matcher failed: {matcher.get_error()}"
+                out.errors[g.chunk.request_id] = f"grammar matcher failed: {matcher.get_error()}"
+                continue
+            if g.chunk.draft_token_ids:
+                drafted.append((matcher, len(out.rows), g.chunk.draft_token_ids))
             else:
                 live.append((matcher, len(out.rows)))
-                out.rows.append(row)
+            out.rows.extend(range(g.first, g.first + g.size))
+        # rows past a draft the grammar refuses stay unmasked: they are never emitted
         out.bits = np.full((len(out.rows), words), -1, dtype=np.int32)
+        ptr, size = out.bits.ctypes.data, words * 4
         if live:
-            self._executor.unsafe_compute_mask_ptr(live, out.bits.ctypes.data, words * 4, len(out.rows))
+            self._executor.unsafe_compute_mask_ptr(live, ptr, size, len(out.rows))
+        if drafted:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, size, len(out.rows))
         return out
 
-    def consume(self, tokens: dict[str, int]) -> tuple[set[str], dict[str, str]]:
-        """Feed sampled tokens to their matchers: (requests whose grammar is now complete, failures)."""
+    def consume(self, tokens: dict[str, list[int]]) -> tuple[set[str], dict[str, str]]:
+        """Feed each request's tokens to its matcher, in order: (requests whose grammar is now complete,
+        failures). Tokens after the one that completes a grammar are cut from `tokens`: without
+        speculation the request would have finished there."""
         done, errors = set(), {}
-        for rid, token in tokens.items():
+        for rid, toks in tokens.items():
             matcher = self._matchers.get(rid)
             if matcher is None:
                 continue
-            if not matcher.consume_token(token):
-                errors[rid] = f"grammar matcher rejected token {token}: {matcher.get_error()}"
-            elif matcher.is_stopped():
-                done.add(rid)
+            for i, token in enumerate(toks):
+                if not matcher.consume_token(token):
+                    errors[rid] = f"grammar matcher rejected token {token}: {matcher.get_error()}"
+                    break
+                if matcher.is_stopped():
+                    done.add(rid)
+                    del toks[i + 1 :]
+                    break
         return done, errors
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,16 +19,23 @@ from edgeinfer.engine.model.fused_decode import FusedDecode, fused_decode
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.inputs import StepInputs, build_inputs
 from edgeinfer.engine.runner.sampler import Sampler, top_logprobs
+from edgeinfer.engine.runner.speculative import per_request
 from edgeinfer.engine.scheduler import SchedulerOutput
 from edgeinfer.types import TokenLogprob
+
+if TYPE_CHECKING:
+    from edgeinfer.engine.lora import AdapterRegistry
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class RunnerOutput:
-    tokens: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    """Per request: the tokens it emits this step (one, or more where drafts were accepted) and their
+    logprobs where asked."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     grammar_done: set[str] = field(default_factory=set)  # requests whose grammar completed with this token
@@ -37,9 +45,11 @@ class RunnerOutput:
         `execute`, which may be run again for the same step); a rejected token fails its request."""
         if grammar is None or not grammar.active:
             return
-        self.grammar_done, errors = grammar.consume(self.tokens)
+        self.grammar_done, errors = grammar.consume(self.tokens)  # cuts tokens after a completed grammar
         for rid in errors:
             self.tokens.pop(rid, None)
+        for rid, lps in self.logprobs.items():
+            del lps[len(self.tokens.get(rid, ())) :]
         self.errors.update(errors)
 
 
@@ -76,6 +86,7 @@ class ModelRunner:
         self.grammar = GrammarRuntime(guidance_tokenizer) if guidance_tokenizer is not None else None
         self.num_steps = 0
         self._logits: torch.Tensor | None = None
+        self.lora: AdapterRegistry | None = None  # set by the engine
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -86,10 +97,14 @@ class ModelRunner:
             return RunnerOutput()
         self.num_steps += 1
         inp = build_inputs(sched.chunks, self.storage.block_size, self.device)
-        pending_masks = self.grammar.start_masks(inp.sample_chunks) if self.grammar is not None else None
+        pending_masks = self.grammar.start_masks(inp.groups) if self.grammar is not None else None
         self.backend.begin(inp.attn)
         all_decode = inp.attn.num_decodes == inp.attn.num_seqs
-        if self.compiled is not None:
+        if self.lora is not None and self.lora.begin_step(inp.chunks):
+            # Adapter deltas ride on the modules' forward hooks (engine/lora/apply.py), which the fused
+            # and compiled steps never call: such a step runs eagerly, base rows included.
+            hidden = self.model(inp.input_ids, inp.positions, self.backend)
+        elif self.compiled is not None:
             single_decode = all_decode and inp.attn.num_seqs == 1
             hidden = self.compiled(inp.input_ids, inp.positions, self.backend, single_decode)
         elif self.fused is not None and all_decode:
@@ -102,7 +117,8 @@ class ModelRunner:
             logits = self.model.compute_logits(rows, self._logits_buffer(len(inp.sample_rows)))
             masks = pending_masks.result() if pending_masks is not None else None
             res = self.sampler.sample(logits, inp.sample_chunks, masks)
-            out.tokens, out.logprobs, out.errors = res.tokens, res.logprobs, res.errors
+            out.tokens, out.logprobs = per_request(inp.groups, res.rows, res.row_logprobs, set(res.errors))
+            out.errors = res.errors
         if inp.prompt_logprob_rows:
             out.prompt_logprobs = self._prompt_logprobs(hidden, inp)
         return out

@@ -21,9 +21,14 @@ from edgeinfer.types import TokenLogprob
 
 @dataclass
 class SampleResult:
+    """Per request: its token, logprob, or why it failed (a request with several rows, one verifying drafts:
+    its last row's, see `rows`). `rows` and `row_logprobs`: every row's, in row order."""
+
     tokens: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    rows: list[int] = field(default_factory=list)
+    row_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[TokenLogprob]:
@@ -45,7 +50,8 @@ class Sampler:
 
     def __init__(self, vocab_limit: int | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
-        self._draws: dict[str, tuple[int, torch.Tensor]] = {}  # a seeded request's latest (position, draw)
+        # a seeded request's recent draws: (position of the first, draws of it and the positions after)
+        self._draws: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self.vocab_limit = vocab_limit
 
     def forget(self, request_ids: list[str]) -> None:
@@ -81,6 +87,7 @@ class Sampler:
             if not bool(greedy.all()):
                 rows = (~greedy).nonzero().squeeze(-1)
                 chosen[rows] = self._sample_random(logits[rows], [chunks[i] for i in rows.tolist()])
+        result.row_logprobs = [None] * len(chunks)
         want = [i for i, c in enumerate(chunks) if c.sampling.logprobs is not None]
         if want:
             lp = torch.log_softmax(raw[want], dim=-1)
@@ -88,7 +95,9 @@ class Sampler:
             for i, tlp in zip(want, top_logprobs(lp, chosen[want], n), strict=True):
                 tlp.top = tlp.top[: chunks[i].sampling.logprobs]
                 result.logprobs[chunks[i].request_id] = tlp
-        for c, tok in zip(chunks, chosen.tolist(), strict=True):
+                result.row_logprobs[i] = tlp
+        result.rows = chosen.tolist()
+        for c, tok in zip(chunks, result.rows, strict=True):
             if c.request_id not in result.errors:
                 result.tokens[c.request_id] = tok
         return result
@@ -135,17 +144,24 @@ class Sampler:
         return inverse_cdf(probs, u)
 
     def _uniform(self, chunk: ScheduledChunk, device: torch.device) -> torch.Tensor:
-        """The row's draw. A seeded request draws once per position: when a step is redone without a
-        request that made it fail, the others reuse their draws and get the tokens of a run without it."""
+        """The row's draw. A seeded request's generator gives its i-th draw to output position i, whatever
+        step samples that position: when a step is redone without a request that made it fail, the others
+        reuse their draws and get the tokens of a run without it; and rows verifying drafts past the first
+        rejected one draw for positions sampled again in a later step, which then reuses those draws, so
+        speculation leaves a seeded request's tokens as they are without it."""
         gen = self._generator(chunk, device)
         if gen is None:
             return torch.rand((), device=device)
         position = len(chunk.output_token_ids)
-        drawn = self._draws.get(chunk.request_id)
-        if drawn is None or drawn[0] != position:
-            drawn = (position, torch.rand((), generator=gen, device=device))
-            self._draws[chunk.request_id] = drawn
-        return drawn[1]
+        first, draws = self._draws.get(chunk.request_id, (position, []))
+        if position < first:  # never sampled below the oldest kept draw; a fresh run of positions
+            first, draws = position, []
+        while first + len(draws) <= position:
+            draws.append(torch.rand((), generator=gen, device=device))
+        # keep a few positions back: a redone step samples its positions again
+        drop = max(0, position - first - _KEEP_DRAWS)
+        self._draws[chunk.request_id] = (first + drop, draws[drop:])
+        return draws[position - first]
 
     def _generator(self, chunk: ScheduledChunk, device: torch.device) -> torch.Generator | None:
         seed = chunk.sampling.seed
@@ -156,6 +172,10 @@ class Sampler:
             gen = torch.Generator(device=device).manual_seed(seed)
             self._generators[chunk.request_id] = gen
         return gen
+
+
+# Draws kept below the latest position sampled (a redone step asks again for at most its drafts' count).
+_KEEP_DRAWS = 64
 
 
 def greedy_argmax(logits: torch.Tensor, width: int = 1024) -> torch.Tensor:

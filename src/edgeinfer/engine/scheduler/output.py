@@ -12,6 +12,9 @@ class ScheduledChunk:
     """Compute KV for `token_ids` at positions [start, start + len) of one request.
 
     `sample`: this chunk reaches the request's last known token, so the runner samples a next token.
+    `draft_token_ids` (speculative decoding, scheduler/drafting.py): guesses of the tokens after the
+    request's last one, appended to `token_ids` (whose first token is then the request's last known one);
+    the runner verifies them in this step and returns the accepted ones and the model's next token.
     With `sampling.prompt_logprobs` set, the runner also scores the chunk's prompt rows: row p gives the
     logprob of prompt token p + 1."""
 
@@ -25,10 +28,17 @@ class ScheduledChunk:
     output_token_ids: list[int]
     num_prompt_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One known token to compute (a plain decode, or one verifying its drafts): each of its tokens
+        runs as a decode row, never as a prefill chunk."""
+        return self.num_tokens == 1 + len(self.draft_token_ids)
 
 
 @dataclass
@@ -43,6 +53,10 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.draft_token_ids) for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:

@@ -36,6 +36,11 @@ class WaitingQueue(ABC):
     @abstractmethod
     def __iter__(self) -> Iterator[Request]: ...
 
+    @property
+    @abstractmethod
+    def num_batch(self) -> int:
+        """Batch-lane requests waiting; read without the engine's lock, so a counter, never a walk."""
+
 
 class FCFSQueue(WaitingQueue):
     """Arrival order within each lane, the interactive lane first."""
@@ -73,6 +78,10 @@ class FCFSQueue(WaitingQueue):
     def __iter__(self) -> Iterator[Request]:
         return itertools.chain(self._interactive, self._batch)
 
+    @property
+    def num_batch(self) -> int:
+        return len(self._batch)
+
 
 class PriorityQueue(WaitingQueue):
     """Ordered by (lane, priority, arrival); a preempted request keeps its original place."""
@@ -80,9 +89,11 @@ class PriorityQueue(WaitingQueue):
     def __init__(self) -> None:
         self._heap: list[tuple[bool, int, float, int, Request]] = []
         self._seq = itertools.count()
+        self._num_batch = 0
 
     def push(self, req: Request) -> None:
         heapq.heappush(self._heap, (req.is_batch, req.priority, req.arrival_time, next(self._seq), req))
+        self._num_batch += req.is_batch
 
     push_front = push
 
@@ -90,13 +101,16 @@ class PriorityQueue(WaitingQueue):
         return self._heap[0][-1]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[-1]
+        req = heapq.heappop(self._heap)[-1]
+        self._num_batch -= req.is_batch
+        return req
 
     def remove(self, request_id: str) -> Request | None:
         for i, item in enumerate(self._heap):
             if item[-1].request_id == request_id:
                 self._heap.pop(i)
                 heapq.heapify(self._heap)
+                self._num_batch -= item[-1].is_batch
                 return item[-1]
         return None
 
@@ -105,6 +119,10 @@ class PriorityQueue(WaitingQueue):
 
     def __iter__(self) -> Iterator[Request]:
         return (item[-1] for item in sorted(self._heap))
+
+    @property
+    def num_batch(self) -> int:
+        return self._num_batch
 
 
 class SchedulingPolicy(StrEnum):

@@ -8,7 +8,8 @@ freed and it is recomputed later from its tokens, which the prefix cache often s
 
 Interactive requests come before batch ones everywhere (types.request.Lane): in the waiting queue, in
 each step's budget, and for seats and KV blocks, which a batch request gives up (preempted, recomputed
-later) when an interactive one needs them; batch work fills what is left.
+later) when an interactive one needs them; batch work fills what is left, and sits out every step that
+prefills interactive work, so that a first token never waits on batch decodes.
 
 With `fair_share` (the default), prefill work — running requests still prefilling and waiting ones —
 is handed out across tenants by weighted fair share (fairness.py) instead of in arrival order across
@@ -24,17 +25,23 @@ newcomer then waits for at most one such step. While more than one tenant is pre
 had one in the last `PRESENCE_S`: interactive users send again soon), the shorter `shared_step_ms` holds:
 a tenant's first token then waits for little of another's prefill, which pays in prefill throughput
 (smaller chunks).
+
+With `speculative` set, a decoding request may carry draft tokens (drafting.py) while few requests
+decode: its chunk is its last token plus the drafts, the runner verifies them in the step, and `update`
+appends what was accepted. Only verified tokens ever count as computed, so the prefix cache never indexes
+a block holding a rejected draft, and blocks taken only for rejected drafts go back to the pool at once.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.kv_cache.manager import blocks_for
+from edgeinfer.engine.scheduler.drafting import SpecConfig, make_drafter
 from edgeinfer.engine.scheduler.fairness import FairShare
 from edgeinfer.engine.scheduler.output import ScheduledChunk, SchedulerOutput
 from edgeinfer.engine.scheduler.queue import SchedulingPolicy
@@ -53,6 +60,8 @@ class SchedulerConfig:
     fair_share: bool = True
     max_step_ms: float | None = None
     shared_step_ms: float | None = None
+    batch_step_ms: float | None = None
+    speculative: SpecConfig | None = None
 
 
 # Fewest prefill tokens a time-budgeted step offers (a slow machine still makes progress), and the part
@@ -61,6 +70,10 @@ MIN_PREFILL_CHUNK = 16
 FIRST_TOKEN_SHARE = 4
 # A tenant counts as present this long after its last request arrived or ended.
 PRESENCE_S = 1.0
+# Batch steps are kept short (`batch_step_ms`) while interactive requests run or arrived this recently: a
+# node with batch work only (a nightly job) runs it in full steps, and the first interactive request after
+# such a lull waits one such step.
+INTERACTIVE_PRESENCE_S = 30.0
 
 
 class Scheduler:
@@ -78,6 +91,14 @@ class Scheduler:
         self.cost = StepCost()
         self._seen: dict[str, float] = {}  # tenant -> when its last request arrived or ended
         self._finished: list[str] = []
+        self.drafter = make_drafter(config.speculative)
+        self._speculate = False  # whether this step's decodes may carry drafts
+        # where this step's round of batch decodes starts, and how many the last step served
+        self._batch_turn = self._batch_served = 0
+        self._interactive_at = float("-inf")  # when the last interactive request arrived
+        # per draft source: tokens drafted, and of those accepted (the runner's verification kept them)
+        self.spec_drafted: Counter[str] = Counter()
+        self.spec_accepted: Counter[str] = Counter()
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -95,6 +116,8 @@ class Scheduler:
         if blocks_for(n + 1, self.kv.block_size) > self.kv.pool.num_blocks:
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache can ever hold")
         req.enqueue_time = self.clock()
+        if not req.is_batch:
+            self._interactive_at = req.enqueue_time
         self._seen[req.tenant] = req.enqueue_time
         self.kv.pool.set_share(req.tenant, req.cache_share)
         self.requests[req.request_id] = req
@@ -117,6 +140,8 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req.request_id)
         self.kv.free(req.request_id)
+        if self.drafter is not None:
+            self.drafter.forget(req.request_id)
         self._seen[req.tenant] = self.clock()
         req.status = RequestStatus.ABORTED if reason == FinishReason.ABORT else RequestStatus.FINISHED
         req.finish_reason = reason
@@ -159,20 +184,29 @@ class Scheduler:
         budget = self.step_budget()
         out = SchedulerOutput()
         scheduled: set[str] = set()
+        # While interactive work prefills, batch work sits the step out: its decodes and prefill would
+        # lengthen the step that brings an interactive request its first token.
+        hold = self._interactive_prefill()
+        running = [r for r in self.running if not r.is_batch] if hold else self._batch_in_turn()
+        if not hold and (self._num_batch_running() or self.waiting.num_batch):
+            budget = self._batch_budget(budget)
         # Decodes (one token owed) before partial prefills; sorted() is stable, so arrival order holds.
-        ordered = sorted(self.running, key=lambda r: (r.is_prefilling, r.is_batch))
+        ordered = sorted(running, key=lambda r: (r.is_prefilling, r.is_batch))
         prefills = [r for r in ordered if r.is_prefilling]
+        spec = self.config.speculative
+        self._speculate = spec is not None and len(ordered) - len(prefills) <= spec.max_batch
         for req in ordered if not self.config.fair_share else ordered[: len(ordered) - len(prefills)]:
             if budget == 0:
                 break
             budget -= self._continue(req, budget, scheduled, out)
         admit = not out.preempted and self._admission_open()
         if self.config.fair_share:
-            self._fair_prefill(prefills, budget, admit, scheduled, out)
+            self._fair_prefill(prefills, budget, admit, scheduled, out, hold)
         elif admit:
-            self._admit(budget, scheduled, out)
+            self._admit(budget, scheduled, out, hold)
         out.finished = self._finished
         self._finished = []
+        self._batch_served = sum(self.requests[c.request_id].is_batch for c in out.chunks)
         return out
 
     def _continue(self, req: Request, budget: int, scheduled: set[str], out: SchedulerOutput) -> int:
@@ -180,18 +214,44 @@ class Scheduler:
         if req.status != RequestStatus.RUNNING:
             return 0  # preempted earlier in this step
         n = min(req.num_uncomputed_tokens, budget)
-        table = self._allocate_or_preempt(req, n, scheduled, out)
+        drafts = self._drafts(req, budget) if req.num_uncomputed_tokens == 1 else []
+        # a guess never preempts anyone: without blocks for the drafts the request decodes plainly
+        table = self.kv.allocate(req.request_id, req.num_tokens + len(drafts)) if drafts else None
+        if table is None:
+            drafts = []
+            table = self._allocate_or_preempt(req, n, scheduled, out)
         if table is None:
             return 0
-        out.chunks.append(self._chunk(req, n, table))
+        out.chunks.append(self._chunk(req, n, table, drafts))
         scheduled.add(req.request_id)
-        return n
+        return n + len(drafts)
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request: none unless speculation is on for this step and the
+        request allows it; never more than could be emitted (max_tokens, the context) or fit the budget."""
+        if self.drafter is None or not self._speculate or not req.sampling.speculative:
+            return []
+        limit = min(
+            self.drafter.length(req.request_id),
+            budget - 1,
+            req.sampling.max_tokens - len(req.output_token_ids) - 1,
+            self.config.max_model_len - req.num_tokens - 1,
+        )
+        return self.drafter.propose(req, limit) if limit > 0 else []
 
     def _fair_prefill(
-        self, prefills: list[Request], budget: int, admit: bool, scheduled: set[str], out: SchedulerOutput
+        self,
+        prefills: list[Request],
+        budget: int,
+        admit: bool,
+        scheduled: set[str],
+        out: SchedulerOutput,
+        hold: bool,
     ) -> None:
-        """Give the budget, one request's chunk at a time, to the least-served tenant with prefill work."""
-        lanes = self._lanes(prefills, list(self.waiting) if admit else [])
+        """Give the budget, one request's chunk at a time, to the least-served tenant with prefill work
+        (`hold`: interactive work only)."""
+        waiting = [r for r in self.waiting if not (hold and r.is_batch)] if admit else []
+        lanes = self._lanes(prefills, waiting)
         self.fair.start_step(set(lanes))
         first_token_for: str | None = None  # a tenant whose request gets its first token this step
         share = budget // FIRST_TOKEN_SHARE
@@ -232,6 +292,36 @@ class Scheduler:
                 others = min(budget - n, share)
             self.fair.charge(tenant, n, req.weight)
             budget -= n
+
+    def _num_batch_running(self) -> int:
+        return sum(r.is_batch for r in self.running)
+
+    def _batch_in_turn(self) -> list[Request]:
+        """The running requests, the batch ones starting after those the last step served: when a step's
+        budget cannot take every batch decode, they take turns."""
+        batch = [r for r in self.running if r.is_batch]
+        if not batch:
+            return self.running
+        self._batch_turn = (self._batch_turn + self._batch_served) % len(batch)
+        interactive = [r for r in self.running if not r.is_batch]
+        return interactive + batch[self._batch_turn :] + batch[: self._batch_turn]
+
+    def _batch_budget(self, budget: int) -> int:
+        """A step with batch work takes what fits in `batch_step_ms` (every interactive decode, at least)
+        while interactive traffic is about: an interactive request arriving meanwhile waits about that for
+        the step in flight."""
+        if self.config.batch_step_ms is None:
+            return budget
+        lowest = len(self.running) - self._num_batch_running() + 1
+        if lowest == 1 and self.clock() - self._interactive_at > INTERACTIVE_PRESENCE_S:
+            return budget  # no interactive traffic of late: batch work runs at full throughput
+        return self.cost.tokens_within(self.config.batch_step_ms / 1000.0, min(lowest, budget), budget)
+
+    def _interactive_prefill(self) -> bool:
+        """Whether an interactive request waits or prefills (its first token is owed)."""
+        if len(self.waiting) > self.waiting.num_batch:
+            return True
+        return any(r.is_prefilling and not r.is_batch for r in self.running)
 
     def _seat_for(self, req: Request, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Whether waiting `req` may be admitted now: a free seat and no preemption for blocks this step.
@@ -342,9 +432,12 @@ class Scheduler:
             or self.clock() >= self.next_admission_time()
         )
 
-    def _admit(self, budget: int, scheduled: set[str], out: SchedulerOutput) -> None:
+    def _admit(self, budget: int, scheduled: set[str], out: SchedulerOutput, hold: bool) -> None:
+        """Admit waiting requests in queue order (`hold`: up to the first batch one)."""
         while len(self.waiting) and budget > 0 and self._seat_for(self.waiting.peek(), scheduled, out):
             req = self.waiting.peek()
+            if hold and req.is_batch:
+                break
             n = self._admit_one(req, budget, out)
             while n is None and not req.is_batch and self._preempt_batch(scheduled, out):
                 n = self._admit_one(req, budget, out)
@@ -386,11 +479,11 @@ class Scheduler:
         )
 
     @staticmethod
-    def _chunk(req: Request, n: int, table: list[int]) -> ScheduledChunk:
+    def _chunk(req: Request, n: int, table: list[int], drafts: list[int] | None = None) -> ScheduledChunk:
         start = req.num_computed_tokens
         return ScheduledChunk(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + n],
+            token_ids=req.all_token_ids[start : start + n] + (drafts or []),
             start=start,
             block_ids=list(table),
             sample=start + n == req.num_tokens,
@@ -399,28 +492,52 @@ class Scheduler:
             output_token_ids=list(req.output_token_ids),
             num_prompt_tokens=req.num_prompt_tokens,
             eos_token_ids=req.eos_token_ids,
+            draft_token_ids=drafts or [],
         )
 
     # ---- after the step --------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress, append sampled tokens, apply token-level stops. Returns the requests that
-        received a token this step (finished ones included)."""
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, int | list[int]]) -> list[Request]:
+        """Advance progress, append sampled tokens (a request's token, or its tokens where drafts were
+        accepted), apply token-level stops. Returns the requests that received tokens this step (finished
+        ones included); how many each got is its output's growth since its chunk was scheduled."""
         touched = []
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or aborted while the step ran
-            req.num_computed_tokens += chunk.num_tokens
-            reason = None
+            appended, reason = 0, None
             if chunk.sample and chunk.request_id in sampled:
-                token = sampled[chunk.request_id]
-                req.output_token_ids.append(token)
-                reason = req.check_stop(token, self.config.max_model_len)
+                got = sampled[chunk.request_id]
+                appended, reason = self._append(req, [got] if isinstance(got, int) else got)
                 touched.append(req)
+            if chunk.draft_token_ids:
+                self._count_drafts(chunk, appended)
+                # the last token and the accepted drafts (each emitted token's predecessor) are computed;
+                # the KV written for rejected drafts lies past that and is overwritten later
+                req.num_computed_tokens += max(appended, 1)
+                self.kv.trim(req.request_id, req.num_tokens)
+            else:
+                req.num_computed_tokens += chunk.num_tokens
             self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if reason is not None:
                 self._finish(req, reason)
         return touched
+
+    def _append(self, req: Request, tokens: list[int]) -> tuple[int, FinishReason | None]:
+        """Append tokens up to the first that stops the request (the rest are never emitted)."""
+        for i, token in enumerate(tokens):
+            req.output_token_ids.append(token)
+            reason = req.check_stop(token, self.config.max_model_len)
+            if reason is not None:
+                return i + 1, reason
+        return len(tokens), None
+
+    def _count_drafts(self, chunk: ScheduledChunk, appended: int) -> None:
+        assert self.drafter is not None
+        drafted, accepted = len(chunk.draft_token_ids), max(appended - 1, 0)
+        self.spec_drafted[self.drafter.source] += drafted
+        self.spec_accepted[self.drafter.source] += accepted
+        self.drafter.observe(chunk.request_id, drafted, accepted)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

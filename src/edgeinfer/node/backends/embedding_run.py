@@ -63,15 +63,19 @@ def _text_chars(job: EmbeddingJob) -> int:
     return sum(len(x) for x in job.inputs if isinstance(x, str))
 
 
-async def run_embeddings(request: Request, run: RequestRun, ids: list[list[int]]) -> EmbeddingOutcome | None:
-    """Embed; None when the client went away first. `run.finish` is always called."""
+async def run_embeddings(
+    request: Request | None, run: RequestRun, ids: list[list[int]]
+) -> EmbeddingOutcome | None:
+    """Embed; None when the client went away first (`request` None: no client waits, a queued entry).
+    `run.finish` is always called."""
     member = run.lease.member
     assert isinstance(member, EmbeddingMember)
     engine = member.engine
     run.started = True
     status, tokens = 500, sum(len(seq) for seq in ids)
     try:
-        result = await until_disconnect(request, engine.embed(run.job.request_id, ids))
+        work = engine.embed(run.job.request_id, ids)
+        result = await (work if request is None else until_disconnect(request, work))
         status = 200
     except ClientDisconnected:
         status = STATUS_CLIENT_CLOSED

@@ -42,6 +42,26 @@ async def respond(
     return JSONResponse(renderer.response(collected, run.outcome.usage), headers=headers)
 
 
+async def collect(run: RequestRun, backend: Backend) -> Collected:
+    """The whole answer of a run nobody waits on over HTTP (a queued entry); the run is finished with the
+    status it ends with (499 when cancelled: the server is stopping and the entry goes back to the queue)."""
+    collected = Collected()
+    status = 500
+    run.start()
+    try:
+        await _collect(backend.run(run.job, run.outcome), collected)
+        status = 200
+    except ApiError as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = STATUS_CLIENT_CLOSED
+        raise
+    finally:
+        run.finish(status)
+    return collected
+
+
 async def stream(
     request: Request,
     run: RequestRun,

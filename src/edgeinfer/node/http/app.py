@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -33,6 +34,7 @@ from edgeinfer.obs.metrics import EngineGauges, NodeMetrics
 from edgeinfer.pool.manager import ModelPool
 
 if TYPE_CHECKING:
+    from edgeinfer.node.batch_worker import BatchWorker
     from edgeinfer.node.fleet_usage import UsagePublisher
 
 logger = logging.getLogger("edgeinfer.node")
@@ -68,6 +70,8 @@ def engine_gauges(pool: ModelPool) -> dict[str, EngineGauges]:
             num_preemptions=s.num_preemptions,
             cached_blocks_by_tenant=s.cached_blocks_by_tenant,
             evicted_blocks_by_tenant=s.evicted_blocks_by_tenant,
+            spec_drafted_by_source=s.spec_drafted_by_source,
+            spec_accepted_by_source=s.spec_accepted_by_source,
         )
     return gauges
 
@@ -101,17 +105,27 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
         checkpoints = asyncio.create_task(service.checkpoint_usage(config.usage_checkpoint_s))
         publisher = StatusPublisher(config, pool) if config.nats_url else None
         usage = _usage_publisher(store, config)
+        batch = app.state.batch = _batch_worker(service, config)
         try:
             if usage is not None:
                 await usage.start()  # first: events a crash left behind go out while models load
             await pool.preload(config.preload)
             if publisher is not None:
                 await publisher.start()
+            if batch is not None:
+                await batch.start()  # after the preload: the first entries find their models warm
+            # What exists now (modules, the preloaded models' objects) lives as long as the process: out of
+            # the collector's sight, a full collection no longer walks it, which stalls the event loop and,
+            # through the GIL, the engines' steps.
+            gc.collect()
+            gc.freeze()
             app.state.ready = True
             logger.info("node ready; models: %s", ", ".join(s.name for s in pool.states()))
             yield
         finally:
             app.state.ready = False
+            if batch is not None:
+                await batch.stop()  # first: its entries go back to the queue for other nodes at once
             await service.settle(_SETTLE_S)
             checkpoints.cancel()
             if publisher is not None:
@@ -130,6 +144,7 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
     app.state.service = service
     app.state.node_config = config
     app.state.ready = False
+    app.state.batch = None
     app.state.draining = False  # set by server.NodeServer when asked to stop
     error_handlers.install(app)
     for module in (routes_openai, routes_embeddings, routes_workers_ai, routes_ops):
@@ -152,3 +167,12 @@ def _usage_publisher(store: UsageStore, config: NodeConfig) -> UsagePublisher | 
     from edgeinfer.node.fleet_usage import UsagePublisher
 
     return UsagePublisher(store, config.nats_url, config.node_id)
+
+
+def _batch_worker(service: NodeService, config: NodeConfig) -> BatchWorker | None:
+    """The Batch API's side of a node on NATS (None without; imported only then, as the publisher)."""
+    if not config.nats_url:
+        return None
+    from edgeinfer.node.batch_worker import BatchWorker
+
+    return BatchWorker(service, config.nats_url, config.node_id, config.batch, config.batch_slots)

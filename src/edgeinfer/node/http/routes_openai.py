@@ -33,8 +33,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
 
 
 @router.get("/v1/models", tags=["openai"])
-async def models(request: Request, _: AuthTenant) -> dict[str, Any]:
-    """Every model and alias this node serves, with its residency in the pool."""
+async def models(request: Request, tenant: AuthTenant) -> dict[str, Any]:
+    """Every model and alias this node serves, with its residency in the pool, and the caller's own LoRA
+    adapters as `base:adapter` (no other tenant's)."""
     pool = request.app.state.service.pool
     data = []
     for state in pool.states():
@@ -57,6 +58,18 @@ async def models(request: Request, _: AuthTenant) -> dict[str, Any]:
                     "edgeinfer": info,
                 }
             )
+    for adapter in tenant.adapters.values():
+        data.append(
+            {
+                "id": f"{adapter.model}:{adapter.name}",
+                "object": "model",
+                "created": _STARTED,
+                "owned_by": tenant.name,
+                "root": adapter.model,
+                "parent": adapter.model,
+                "edgeinfer": {"kind": "lora"},
+            }
+        )
     return {"object": "list", "data": data}
 
 

@@ -64,11 +64,17 @@ class LocalBackend(Backend):
             tenant=self._tenant.name,
             model=self._member.name,
             priority=job.priority,
+            lane=job.lane,
             arrival_time=job.arrival,
             cache_namespace=self._tenant.cache_namespace,
             tenant_weight=self._tenant.weight,
             cache_share=self._tenant.cache_share,
+            adapter=self._adapter(job),
         )
+
+    def _adapter(self, job: Job) -> str | None:
+        """The engine's name of the job's LoRA adapter (node/adapters.py registered it there)."""
+        return self._tenant.adapters[job.adapter].engine_name(self._tenant.name) if job.adapter else None
 
     async def run(self, job: Job, outcome: Outcome) -> AsyncGenerator[ChoiceDelta, None]:
         outcome.version = self.version
