@@ -358,6 +358,11 @@ async def run(scale: float, tmp: Path) -> tuple[list[str], list[str]]:
     try:
         await wait_up(ours_port, "/ready")
         await wait_up(sgl_port, "/health")
+        await asyncio.sleep(1.0)
+        # A router that died after answering once (a port of its own already taken) must not leave its
+        # rows measuring whatever else answers there.
+        if dead := [name for name, proc in procs.items() if proc.poll() is not None]:
+            raise SystemExit(f"{', '.join(dead)} exited at start; its log is in {tmp}")
         targets = {"direct": (stub_port, None)}
         targets["edgeinfer router"] = (ours_port, procs["edgeinfer router"].pid)
         targets["sglang-router"] = (sgl_port, procs["sglang-router"].pid)
