@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from edgeinfer.batch.store import Batch, BatchStore
+from edgeinfer.batch.store import BatchStore
+from edgeinfer.batch.submission import Entry, Poll
 
 _USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
@@ -13,7 +14,11 @@ def envelope(result: dict[str, Any], messages: list[dict[str, Any]] | None = Non
     return {"result": result, "success": True, "errors": [], "messages": messages or []}
 
 
-def queued(batch: Batch) -> dict[str, Any]:
+async def answer(store: BatchStore, tenant: str, model: str, read: list[Entry] | Poll) -> dict[str, Any]:
+    """A Batch-API call as nodes and routers answer it: entries are queued (the receipt), a poll polled."""
+    if isinstance(read, Poll):
+        return await poll(store, tenant, read.request_id)
+    batch = await store.submit(tenant, model, read)
     return envelope({"status": "queued", "request_id": batch.request_id, "model": batch.model})
 
 

@@ -188,12 +188,9 @@ class BatchStore:
 
     async def progress(self, batch: Batch) -> tuple[int, bool]:
         """How many entries have a result, and whether any node started on the batch."""
-        info = await self.js.stream_info(
-            f"KV_{BATCHES_BUCKET}", subjects_filter=f"$KV.{BATCHES_BUCKET}.{batch.request_id}.>"
-        )
-        subjects = info.state.subjects or {}
-        running = f"$KV.{BATCHES_BUCKET}.{batch.request_id}.running" in subjects
-        return len(subjects) - running, running
+        keys = await self._keys(BATCHES_BUCKET, f"{batch.request_id}.>")
+        running = f"{batch.request_id}.running" in keys
+        return len(keys) - running, running
 
     async def results(self, batch: Batch) -> list[dict[str, Any]]:
         entries = await asyncio.gather(
@@ -203,15 +200,17 @@ class BatchStore:
 
     async def serving(self, model: str) -> bool:
         """Whether some node pulls the model's entries now."""
-        assert self._workers is not None
-        token = model_token(model)
         try:
-            info = await self.js.stream_info(
-                f"KV_{WORKERS_BUCKET}", subjects_filter=f"$KV.{WORKERS_BUCKET}.{token}.>"
-            )
-        except NotFoundError:
+            return bool(await self._keys(WORKERS_BUCKET, f"{model_token(model)}.>"))
+        except NotFoundError:  # the bucket is gone (an operator removed it): nobody has announced since
             return False
-        return bool(info.state.subjects)
+
+    async def _keys(self, bucket: str, pattern: str) -> set[str]:
+        """The bucket's keys matching `pattern`, counted by the server (its stream's subjects): no watch
+        over the whole bucket, as nats-py's `keys()` does."""
+        prefix = f"$KV.{bucket}."
+        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=prefix + pattern)
+        return {subject.removeprefix(prefix) for subject in info.state.subjects or {}}
 
     # --- running (nodes) ---
 
@@ -239,16 +238,15 @@ class BatchStore:
         return True
 
     async def mark_running(self, item: WorkItem) -> None:
-        with contextlib.suppress(KeyWrongLastSequenceError):  # another entry of the batch got there first
-            await self.batches.create(f"{item.request_id}.running", b"")
+        await self._create(f"{item.request_id}.running", b"")  # the batch's first entry to start sets it
 
-    async def put_result(self, item: WorkItem, result: dict[str, Any]) -> bool:
-        """Store the entry's result unless it has one; whether this one was stored."""
-        try:
-            await self.batches.create(_result_key(item.request_id, item.index), json.dumps(result).encode())
-        except KeyWrongLastSequenceError:
-            return False
-        return True
+    async def put_result(self, item: WorkItem, result: dict[str, Any]) -> None:
+        """Store the entry's result unless it has one (the first result of an entry is its result)."""
+        await self._create(_result_key(item.request_id, item.index), json.dumps(result).encode())
+
+    async def _create(self, key: str, value: bytes) -> None:
+        with contextlib.suppress(KeyWrongLastSequenceError):  # it exists: the first write stands
+            await self.batches.create(key, value)
 
 
 def _result_key(request_id: str, index: int) -> str:

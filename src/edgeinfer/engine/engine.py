@@ -371,7 +371,7 @@ class LLMEngine:
             evicted_blocks_by_tenant=dict(kv.pool.evicted_by_owner),
             spec_drafted_by_source=dict(self.scheduler.spec_drafted),
             spec_accepted_by_source=dict(self.scheduler.spec_accepted),
-            num_running_batch=sum(r.is_batch for r in list(self.scheduler.running)),  # a copy: no lock here
+            num_running_batch=self.scheduler.num_batch_running(),
             num_waiting_batch=self.scheduler.waiting.num_batch,
         )
 

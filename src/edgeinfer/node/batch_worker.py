@@ -22,10 +22,8 @@ from edgeinfer.api.errors import ApiError, unavailable
 from edgeinfer.api.jobs import Job
 from edgeinfer.api.prepare import workers_ai_job
 from edgeinfer.api.schemas import WorkersAIRunRequest
-from edgeinfer.batch import answers
 from edgeinfer.batch.settings import BatchSettings
 from edgeinfer.batch.store import WORKER_RENEW_S, BatchStore, WorkItem
-from edgeinfer.batch.submission import Entry
 from edgeinfer.node.service import NodeService
 from edgeinfer.pool.member import EMBED
 from edgeinfer.types.request import Lane
@@ -79,12 +77,6 @@ class BatchWorker:
         if self._store is None:
             raise unavailable("the batch queue is not reachable yet (NATS); retry shortly")
         return self._store
-
-    async def submit(self, tenant: str, model: str, entries: list[Entry]) -> dict[str, Any]:
-        return answers.queued(await self.store().submit(tenant, model, entries))
-
-    async def poll(self, tenant: str, request_id: str) -> dict[str, Any]:
-        return await answers.poll(self.store(), tenant, request_id)
 
     async def _run(self) -> None:
         # Retries forever while NATS is down (max_reconnect_attempts=-1 covers the first connect too).

@@ -84,13 +84,10 @@ class NodeService:
         access.update(
             response_id=job.request_id, tenant=tenant.name, endpoint=job.endpoint, stream=job.stream
         )
-        tenant.check_priority(job.priority)
-        model = self._base_model(job, tenant)
+        model = self._generation_model(job, tenant)
         access["model"] = model
         if job.adapter is not None:
             access["adapter"] = job.adapter
-        if self.pool.task(model) == EMBED:
-            raise wrong_task(model, EMBED)
         headers: dict[str, str] = {}
         if affinity := request.headers.get("x-session-affinity"):
             headers["x-session-affinity"] = access["session_affinity"] = affinity
@@ -103,10 +100,7 @@ class NodeService:
     async def run_queued(self, tenant: Tenant, job: Job) -> dict[str, Any]:
         """Run a queued Batch-API entry (no client waits on it) through the same admission, pool, limits
         and metering as any request; its Workers-AI `result`. ApiError as any route would answer."""
-        tenant.check_priority(job.priority)
-        model = self._base_model(job, tenant)
-        if self.pool.task(model) == EMBED:
-            raise wrong_task(model, EMBED)
+        model = self._generation_model(job, tenant)
         access: dict[str, Any] = {"request_id": job.request_id, "tenant": tenant.name, "model": model}
         run, backend = await self._start(job, tenant, model, access)
         collected = await collect(run, backend)
@@ -142,6 +136,15 @@ class NodeService:
             ids = await embedding_inputs(run, self.limits)
             _reserve_tokens(run, sum(len(seq) for seq in ids))
         return await run_embeddings(request, run, ids)
+
+    def _generation_model(self, job: Job, tenant: Tenant) -> str:
+        """The model a generation job runs on, after the checks every generation job passes first: the
+        tenant's priority range, the model (or the tenant's adapter of it), and its task."""
+        tenant.check_priority(job.priority)
+        model = self._base_model(job, tenant)
+        if self.pool.task(model) == EMBED:
+            raise wrong_task(model, EMBED)
+        return model
 
     def _base_model(self, job: Job, tenant: Tenant) -> str:
         """`resolve` for a generation job, which may name one of the tenant's LoRA adapters."""

@@ -28,8 +28,7 @@ from edgeinfer.api.schemas import (
 )
 from edgeinfer.api.tenants import Tenant
 from edgeinfer.batch import answers
-from edgeinfer.batch.store import BatchStore
-from edgeinfer.batch.submission import Entry, Poll, read_batch_body
+from edgeinfer.batch.submission import read_batch_body
 from edgeinfer.obs.metrics import CONTENT_TYPE
 from edgeinfer.router import status_page
 from edgeinfer.router.body import json_value, validated
@@ -101,19 +100,8 @@ async def _queued(service: RouterService, request: Request, tenant: Tenant, mode
     node serves now is queued all the same (its poll says so): nodes serving it may come."""
     store = service.batch_store()
     read = read_batch_body(value, model, service.config.limits, embeddings=service.embeds(model))
-    if isinstance(read, Poll):
-        poll = read
-        answer = await service.queued(
-            request, tenant, lambda: answers.poll(store, tenant.name, poll.request_id)
-        )
-    else:
-        entries = read
-        answer = await service.queued(request, tenant, lambda: _submit(store, tenant, model, entries))
+    answer = await service.queued(request, tenant, lambda: answers.answer(store, tenant.name, model, read))
     return json_reply(answer)
-
-
-async def _submit(store: BatchStore, tenant: Tenant, model: str, entries: list[Entry]) -> dict[str, Any]:
-    return answers.queued(await store.submit(tenant.name, model, entries))
 
 
 def _base(service: RouterService, model: str) -> str:

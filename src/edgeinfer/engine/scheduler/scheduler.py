@@ -188,7 +188,7 @@ class Scheduler:
         # lengthen the step that brings an interactive request its first token.
         hold = self._interactive_prefill()
         running = [r for r in self.running if not r.is_batch] if hold else self._batch_in_turn()
-        if not hold and (self._num_batch_running() or self.waiting.num_batch):
+        if not hold and (self.num_batch_running() or self.waiting.num_batch):
             budget = self._batch_budget(budget)
         # Decodes (one token owed) before partial prefills; sorted() is stable, so arrival order holds.
         ordered = sorted(running, key=lambda r: (r.is_prefilling, r.is_batch))
@@ -293,8 +293,9 @@ class Scheduler:
             self.fair.charge(tenant, n, req.weight)
             budget -= n
 
-    def _num_batch_running(self) -> int:
-        return sum(r.is_batch for r in self.running)
+    def num_batch_running(self) -> int:
+        """Batch-lane requests running; also read by the engine's stats without its lock (a copy)."""
+        return sum(r.is_batch for r in list(self.running))
 
     def _batch_in_turn(self) -> list[Request]:
         """The running requests, the batch ones starting after those the last step served: when a step's
@@ -312,7 +313,7 @@ class Scheduler:
         the step in flight."""
         if self.config.batch_step_ms is None:
             return budget
-        lowest = len(self.running) - self._num_batch_running() + 1
+        lowest = len(self.running) - self.num_batch_running() + 1
         if lowest == 1 and self.clock() - self._interactive_at > INTERACTIVE_PRESENCE_S:
             return budget  # no interactive traffic of late: batch work runs at full throughput
         return self.cost.tokens_within(self.config.batch_step_ms / 1000.0, min(lowest, budget), budget)

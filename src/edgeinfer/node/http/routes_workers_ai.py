@@ -17,7 +17,8 @@ from edgeinfer.api.errors import STATUS_CLIENT_CLOSED, bad_request
 from edgeinfer.api.http.json_body import BoundedJSONRoute
 from edgeinfer.api.prepare import check_one_workers_ai_input, workers_ai_job
 from edgeinfer.api.schemas import WorkersAIRunRequest
-from edgeinfer.batch.submission import Poll, read_batch_body
+from edgeinfer.batch import answers
+from edgeinfer.batch.submission import read_batch_body
 from edgeinfer.node.http.auth import AuthTenant
 from edgeinfer.node.http.render import WorkersAIRenderer
 from edgeinfer.node.http.vectors import VectorsResponse, workers_ai_body
@@ -54,9 +55,7 @@ async def _queued(model: str, value: Any, request: Request, tenant: AuthTenant) 
         raise bad_request(message, "queueRequest")
     name = service.resolve(model)
     read = read_batch_body(value, name, service.limits, embeddings=service.model_task(name) == EMBED)
-    if isinstance(read, Poll):
-        return await batch.poll(tenant.name, read.request_id)
-    return await batch.submit(tenant.name, name, read)
+    return await answers.answer(batch.store(), tenant.name, name, read)
 
 
 async def _embed(model: str, body: WorkersAIRunRequest, request: Request, tenant: AuthTenant) -> Response:
