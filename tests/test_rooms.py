@@ -1,9 +1,9 @@
 """The rooms' import rules (docs/engine.md, the map of rooms): what both servers speak lives in `api`, which
 imports neither server; the router reaches nodes over HTTP and NATS only, never through their code; the
-node never imports the router; the ledger and the batch queue import only `api` and `types`; the fleet
-simulator runs the router's own policy and network model; weight quantization imports neither the eval
-harness nor attention; our CPU kernels are a leaf room (torch, the standard library and the cache dir's
-location): model, quantization and attention call them, never the reverse."""
+node never imports the router; the ledger, the batch queue and the finetunes import only `api` and
+`types`; the fleet simulator runs the router's own policy and network model; weight quantization
+imports neither the eval harness nor attention; our CPU kernels are a leaf room (torch, the standard
+library and the cache dir's location): model, quantization and attention call them, never the reverse."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ FORBIDDEN = {
     "ledger": _NO_SERVER,
     # the batch queue is shared by nodes and routers: neither's code, nor the engine's
     "batch": _NO_SERVER,
+    # so are the tenants' uploaded finetunes (the engine checks the weights where they serve)
+    "finetunes": _NO_SERVER,
     # quantization alone: a calibration pass gets its forward from the caller, the corpus is its own room
     "engine/quant": ("edgeinfer.eval", "edgeinfer.engine.attention"),
     # the kernels are a leaf: the rooms that use them switch their own layers onto them
@@ -53,6 +55,7 @@ MAY_IMPORT = {
     "api": ("edgeinfer.api", "edgeinfer.types", "edgeinfer.structured"),
     "ledger": ("edgeinfer.ledger", "edgeinfer.api", "edgeinfer.types"),
     "batch": ("edgeinfer.batch", "edgeinfer.api", "edgeinfer.types"),
+    "finetunes": ("edgeinfer.finetunes", "edgeinfer.api", "edgeinfer.types"),
 }
 
 

@@ -122,6 +122,7 @@ class NodeFactory:
             usage_checkpoint_s=usage_checkpoint_s,
             tenants_file=str(tenants_file) if tenants_file else None,
             usage_db=str(self.tmp_path / f"usage-{len(self.servers)}.sqlite"),
+            finetunes_dir=str(self.tmp_path / f"finetunes-{len(self.servers)}"),
             preload=preload,
             router_secret=router_secret,
             node_id=node_id,

@@ -176,6 +176,7 @@ def node_args(workdir: Path, node_id: str, location: str, nats_url: str, models:
     args = ["--node-id", node_id, "--location", location, "--nats-url", nats_url]
     args += ["--tenants", str(workdir / "tenants.json"), "--router-secret-file", str(secret_file)]
     args += ["--usage-db", str(workdir / f"{node_id}.sqlite"), "--no-access-log"]
+    args += ["--finetunes-dir", str(workdir / f"{node_id}-finetunes")]
     # The routers (threads of the test process, on loopback) are the nodes' proxies, as in a deployment: every
     # routed client arrives through them, so they are exempt from the per-address connection bound. Without
     # this, the routers' idle keep-alive connections from earlier tests could fill loopback's 64 and the

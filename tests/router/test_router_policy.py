@@ -259,3 +259,20 @@ def test_router_flags_set_the_wait_constants():
     policy = build_config(args).policy
     assert policy.wait_per_running_s == 0.02
     assert policy.wait_per_queued_s == CONFIG.wait_per_queued_s
+
+
+def test_a_request_naming_an_adapter_goes_where_it_is_loaded():
+    """Within a location, a warm node holding the adapter is picked over warm ones without it (whatever
+    the two random choices draw), and the estimate charges the adapter's load elsewhere."""
+    hot = node("fra-hot", "FRA", running=2, adapters_warm=frozenset({"t.support"}))
+    cold = node("fra-cold", "FRA")
+    for seed in range(20):
+        d = decide(Snapshot([hot, cold], RTT, NOW), req(adapter="t.support"), random.Random(seed))
+        assert d.ranked[0].node_id == "fra-hot"
+    snapshot = Snapshot([hot, cold], RTT, NOW)
+    plain = {decide(snapshot, req(), random.Random(s)).ranked[0].node_id for s in range(20)}
+    assert plain == {"fra-cold"}  # without an adapter the less loaded node wins, as before
+    costs = CONFIG.costs("m")
+    with_adapter = estimate(Snapshot([cold], RTT, NOW), req(adapter="t.support"), cold, CONFIG, costs)
+    without = estimate(Snapshot([cold], RTT, NOW), req(), cold, CONFIG, costs)
+    assert with_adapter.expected_ttft_s - without.expected_ttft_s == pytest.approx(CONFIG.adapter_load_s)

@@ -30,10 +30,17 @@ class TenantAdapter:
     name: str
     model: str
     path: str
+    revision: str = ""  # an uploaded finetune's: each revision of its files registers anew
 
     def engine_name(self, tenant: str) -> str:
         """The adapter's name on the engine: distinct per tenant, so two tenants' `support` never meet."""
-        return f"{hashlib.sha256(tenant.encode()).hexdigest()[:16]}.{self.name}"
+        key = adapter_key(tenant, self.name)
+        return f"{key}.{self.revision}" if self.revision else key
+
+
+def adapter_key(tenant: str, name: str) -> str:
+    """A tenant's adapter as nodes report it resident and routers look for it (the tenant's name hashed)."""
+    return f"{hashlib.sha256(tenant.encode()).hexdigest()[:16]}.{name}"
 
 
 def parse_adapters(value: Any, where: str) -> dict[str, TenantAdapter]:

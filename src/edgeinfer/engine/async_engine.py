@@ -113,6 +113,10 @@ class AsyncLLMEngine:
     def has_adapter(self, name: str) -> bool:
         return self.engine.adapters.has(name)
 
+    def resident_adapters(self) -> list[str]:
+        """The registered adapters whose weights are in memory now (read without waiting for a step)."""
+        return self.engine.adapters.resident()
+
     async def load_adapter(self, name: str, path: str) -> None:
         """Register a LoRA adapter (engine/lora/) off the event loop: it reads and hashes its files. The
         registry takes its own lock, and the model's hooks go on in the engine thread (AdapterError: a

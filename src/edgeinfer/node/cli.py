@@ -14,7 +14,7 @@ from edgeinfer.batch.flags import batch_settings
 from edgeinfer.cli.engine_args import engine_config, start_runtime_for
 from edgeinfer.engine.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from edgeinfer.node.cli_flags import add_arguments
-from edgeinfer.node.config import ConnectionLimits, NodeConfig, default_usage_db
+from edgeinfer.node.config import ConnectionLimits, NodeConfig, default_finetunes_dir, default_usage_db
 from edgeinfer.obs.access_log import ACCESS_LOGGER
 from edgeinfer.pool.spec import (
     LOCAL,
@@ -47,6 +47,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         tenants_file=args.tenants,
         prices_file=args.prices,
         usage_db=args.usage_db or default_usage_db(),
+        finetunes_dir=args.finetunes_dir or default_finetunes_dir(),
         server_secret=Path(args.secret_file).read_bytes() if args.secret_file else None,
         preload=tuple(_preload_names(args)),
         node_id=args.node_id or f"{socket.gethostname()}-{args.port}",

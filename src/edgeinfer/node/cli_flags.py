@@ -8,7 +8,7 @@ from edgeinfer.api.limits import NodeLimits
 from edgeinfer.batch.flags import add_batch_flags
 from edgeinfer.cli.engine_args import add_engine_arguments
 from edgeinfer.engine.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
-from edgeinfer.node.config import ConnectionLimits, NodeConfig, default_usage_db
+from edgeinfer.node.config import ConnectionLimits, NodeConfig, default_finetunes_dir, default_usage_db
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +89,12 @@ def _server_flags(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--prices", default=None, metavar="FILE", help="per-model price table (JSON/TOML)")
     server.add_argument(
         "--usage-db", default=None, metavar="PATH", help=f"SQLite usage store ({default_usage_db()})"
+    )
+    server.add_argument(
+        "--finetunes-dir",
+        default=None,
+        metavar="DIR",
+        help=f"uploaded LoRA finetunes off NATS ({default_finetunes_dir()}); on NATS the fleet keeps them",
     )
     server.add_argument(
         "--secret-file",

@@ -10,10 +10,18 @@ from edgeinfer.api.limits import NodeLimits
 from edgeinfer.batch.settings import BatchSettings
 
 
+def _state_dir() -> Path:
+    """`$XDG_STATE_HOME/edgeinfer` (default `~/.local/state/edgeinfer`)."""
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "edgeinfer"
+
+
 def default_usage_db() -> str:
-    """`$XDG_STATE_HOME/edgeinfer/usage.sqlite` (default `~/.local/state/...`)."""
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return str(Path(state) / "edgeinfer" / "usage.sqlite")
+    return str(_state_dir() / "usage.sqlite")
+
+
+def default_finetunes_dir() -> str:
+    """Where a node that is not on NATS keeps its tenants' uploaded finetunes."""
+    return str(_state_dir() / "finetunes")
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,7 @@ class NodeConfig:
     tenants_file: str | None = None
     prices_file: str | None = None
     usage_db: str = field(default_factory=default_usage_db)
+    finetunes_dir: str = field(default_factory=default_finetunes_dir)  # on NATS: the fleet's store instead
     # HMAC key for tenant cache namespaces; random per process when unset (the KV cache is in-process).
     server_secret: bytes | None = None
     preload: tuple[str, ...] = ()

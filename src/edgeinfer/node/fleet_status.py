@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from edgeinfer.node.config import NodeConfig
 from edgeinfer.pool.manager import ModelPool
@@ -20,8 +21,9 @@ from edgeinfer.types.status import STATUS_SUBJECT_PREFIX, NodeStatus
 logger = logging.getLogger("edgeinfer.node")
 
 
-def node_status(config: NodeConfig, pool: ModelPool) -> NodeStatus:
-    """A snapshot of the pool: reads counters only (engine stats never wait for a model step)."""
+def node_status(config: NodeConfig, pool: ModelPool, adapters_warm: tuple[str, ...] = ()) -> NodeStatus:
+    """A snapshot of the pool: reads counters only (engine stats never wait for a model step);
+    `adapters_warm`: the LoRA adapters its engines hold loaded (node/adapters.py)."""
     available: list[str] = []
     warm: list[str] = []
     loading: list[str] = []
@@ -53,6 +55,7 @@ def node_status(config: NodeConfig, pool: ModelPool) -> NodeStatus:
         models_warm=tuple(warm),
         models_loading=tuple(loading),
         models_embedding=tuple(embedding),
+        adapters_warm=adapters_warm,
         queue_depth=waiting,
         running=running,
         kv_usage=round(kv_usage, 4),
@@ -64,10 +67,13 @@ def node_status(config: NodeConfig, pool: ModelPool) -> NodeStatus:
 class StatusPublisher:
     """Publishes the node's status on `edgeinfer.status.<node_id>` every `interval_s` (nats-py)."""
 
-    def __init__(self, config: NodeConfig, pool: ModelPool) -> None:
+    def __init__(
+        self, config: NodeConfig, pool: ModelPool, adapters_warm: Callable[[], tuple[str, ...]]
+    ) -> None:
         assert config.nats_url is not None
         self._config = config
         self._pool = pool
+        self._adapters_warm = adapters_warm
         self._task: asyncio.Task[None] | None = None
         self._nc = None
 
@@ -83,7 +89,8 @@ class StatusPublisher:
         subject = f"{STATUS_SUBJECT_PREFIX}.{self._config.node_id}"
         while True:
             try:
-                await self._nc.publish(subject, node_status(self._config, self._pool).to_json())
+                status = node_status(self._config, self._pool, self._adapters_warm())
+                await self._nc.publish(subject, status.to_json())
             except Exception:  # a broker hiccup must not end publishing; nats-py reconnects by itself
                 logger.exception("publishing node status failed")
             await asyncio.sleep(self._config.status_interval_s)

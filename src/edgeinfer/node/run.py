@@ -113,7 +113,7 @@ class RequestRun:
         return UsageRecord(
             ts=time.time(),
             tenant=self.tenant.name,
-            model=self.model,
+            model=self._metered_model,
             request_id=self.job.request_id,
             endpoint=self.job.endpoint,
             status=status,
@@ -127,6 +127,13 @@ class RequestRun:
                 batch=self.job.lane is Lane.BATCH,
             ),
         )
+
+    @property
+    def _metered_model(self) -> str:
+        """The model as usage records name it: a LoRA adapter's requests as `base:adapter`, apart from the
+        base's own (priced as the base)."""
+        adapter = getattr(self.job, "adapter", None)
+        return f"{self.model}:{adapter}" if adapter else self.model
 
     def _observe(self) -> None:
         usage = self.outcome.usage

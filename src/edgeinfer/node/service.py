@@ -40,6 +40,7 @@ from edgeinfer.node.billing.capacity import Capacity
 from edgeinfer.node.billing.metering import UsageStore
 from edgeinfer.node.billing.prices import PriceTable
 from edgeinfer.node.billing.ratelimit import Admission, RateLimiter, RateLimitExceeded
+from edgeinfer.node.finetunes import NodeFinetunes
 from edgeinfer.node.http.answer import collect, respond, stream
 from edgeinfer.node.http.render import Renderer, WorkersAIRenderer
 from edgeinfer.node.run import RequestRun
@@ -64,6 +65,7 @@ class NodeService:
         prices: PriceTable,
         metrics: NodeMetrics,
         stream_write_timeout_s: float,
+        finetunes: NodeFinetunes,
     ) -> None:
         self.limits = limits
         self.stream_write_timeout_s = stream_write_timeout_s
@@ -75,7 +77,7 @@ class NodeService:
         self.metrics = metrics
         self.capacity = Capacity(limits.max_queue_depth)
         self._live: dict[str, RequestRun] = {}  # requests at their model, for usage checkpoints
-        self.adapters = NodeAdapters(pool)
+        self.adapters = NodeAdapters(pool, finetunes)
 
     async def execute(
         self, request: Request, tenant: Tenant, job: Job, renderer_cls: type[Renderer]
@@ -84,7 +86,7 @@ class NodeService:
         access.update(
             response_id=job.request_id, tenant=tenant.name, endpoint=job.endpoint, stream=job.stream
         )
-        model = self._generation_model(job, tenant)
+        model, tenant = await self._generation_target(job, tenant)
         access["model"] = model
         if job.adapter is not None:
             access["adapter"] = job.adapter
@@ -100,7 +102,7 @@ class NodeService:
     async def run_queued(self, tenant: Tenant, job: Job) -> dict[str, Any]:
         """Run a queued Batch-API entry (no client waits on it) through the same admission, pool, limits
         and metering as any request; its Workers-AI `result`. ApiError as any route would answer."""
-        model = self._generation_model(job, tenant)
+        model, tenant = await self._generation_target(job, tenant)
         access: dict[str, Any] = {"request_id": job.request_id, "tenant": tenant.name, "model": model}
         run, backend = await self._start(job, tenant, model, access)
         collected = await collect(run, backend)
@@ -137,21 +139,18 @@ class NodeService:
             _reserve_tokens(run, sum(len(seq) for seq in ids))
         return await run_embeddings(request, run, ids)
 
-    def _generation_model(self, job: Job, tenant: Tenant) -> str:
+    async def _generation_target(self, job: Job, tenant: Tenant) -> tuple[str, Tenant]:
         """The model a generation job runs on, after the checks every generation job passes first: the
-        tenant's priority range, the model (or the tenant's adapter of it), and its task."""
+        tenant's priority range, the model (or the tenant's adapter of it), and its task; the tenant with
+        the adapter among its own where the job names an uploaded finetune."""
         tenant.check_priority(job.priority)
-        model = self._base_model(job, tenant)
-        if self.pool.task(model) == EMBED:
-            raise wrong_task(model, EMBED)
-        return model
-
-    def _base_model(self, job: Job, tenant: Tenant) -> str:
-        """`resolve` for a generation job, which may name one of the tenant's LoRA adapters."""
         try:
-            return self.adapters.base_model(job, tenant)
+            model, tenant = await self.adapters.target(job, tenant)
         except UnknownModelError as exc:
             raise model_not_found(str(exc)) from None
+        if self.pool.task(model) == EMBED:
+            raise wrong_task(model, EMBED)
+        return model, tenant
 
     def resolve(self, name: str) -> str:
         """The canonical name of a model or alias (404 if unknown)."""

@@ -1,6 +1,7 @@
 """The router's NATS connection and what runs on it: node statuses (sources.py), the tenants' fleet
 limits (limits/), the check that every router holds the same tenants file, the nodes' usage events,
-which settle the limits' token reservations, and the Batch API's queue (batch/)."""
+which settle the limits' token reservations, the Batch API's queue (batch/) and the tenants' uploaded
+finetunes (finetunes/)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import secrets
 from typing import Any
 
 from edgeinfer.batch.store import BatchStore
+from edgeinfer.finetunes.store import JetStreamFinetunes
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.limits.limiter import FleetLimiter
 from edgeinfer.router.limits.tenants_check import TenantsCheck
@@ -28,6 +30,7 @@ class FleetBus:
         self.nc: Any = None
         self.limiter: FleetLimiter | None = None
         self.batch: BatchStore | None = None  # the Batch API's queue (None: NATS without JetStream)
+        self.finetunes: JetStreamFinetunes | None = None  # tenants' uploaded LoRA adapters (likewise)
         self._state = state
         self._metrics = metrics
         self._digest = tenants_digest
@@ -59,6 +62,7 @@ class FleetBus:
             )
             return
         self.limiter, self.batch = limiter, batch
+        self.finetunes = await JetStreamFinetunes(js).open()
         await self.nc.subscribe(f"{USAGE_SUBJECT_PREFIX}.>", cb=self._on_usage)
 
     async def _on_usage(self, msg: Any) -> None:  # a nats.aio.msg.Msg

@@ -21,6 +21,7 @@ import httptools
 
 from edgeinfer.api.errors import ApiError, bad_request, body_too_large
 from edgeinfer.api.http.parser_errors import PARSER_REJECTED
+from edgeinfer.finetunes.records import body_limit
 from edgeinfer.router.wire import Reply, Request, error_reply, reply_bytes, request_id
 
 logger = logging.getLogger("edgeinfer.router")
@@ -71,6 +72,7 @@ class ClientConnection(asyncio.Protocol):
         self._size = 0
         self._declared = -1
         self._too_big = False
+        self._limit = app.max_body_bytes  # the request's own: an adapter upload may send more
         self._loop = asyncio.get_running_loop()
         self._last_data = self._loop.time()
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -146,6 +148,7 @@ class ClientConnection(asyncio.Protocol):
         self._size = 0
         self._declared = -1
         self._too_big = False
+        self._limit = self.app.max_body_bytes
 
     def on_url(self, url: bytes) -> None:
         self._url.append(url)
@@ -164,10 +167,11 @@ class ClientConnection(asyncio.Protocol):
         _set_target(request, b"".join(self._url))
         request.request_id = request_id(request.header(b"x-request-id"))
         request.http_10 = self._parser.get_http_version() == "1.0"
+        self._limit = body_limit(request.path, self.app.max_body_bytes)
         declared = request.header(b"content-length")
         if declared is not None and declared.isdigit():
             self._declared = int(declared)
-            self._too_big = self._declared > self.app.max_body_bytes
+            self._too_big = self._declared > self._limit
         if request.header(b"expect") == b"100-continue":
             self._continue(request)
 
@@ -187,7 +191,7 @@ class ClientConnection(asyncio.Protocol):
         self._size += len(body)
         if self._too_big:
             return
-        if self._size > self.app.max_body_bytes:  # read on, and dropped: the connection stays usable
+        if self._size > self._limit:  # read on, and dropped: the connection stays usable
             self._too_big = True
             self._body = []
             return
@@ -207,7 +211,7 @@ class ClientConnection(asyncio.Protocol):
     def _limit_error(self) -> ApiError | None:
         if not self._too_big:
             return None
-        return body_too_large(f"request body larger than {self.app.max_body_bytes} bytes")
+        return body_too_large(f"request body larger than {self._limit} bytes")
 
     def _refuse(self, message: str) -> None:
         """The parser lost the request's framing: a 400 after what is queued, then the connection closes."""

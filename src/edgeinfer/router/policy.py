@@ -18,8 +18,10 @@ Policy (TTFT): candidates are the nodes that can serve the model, are not stale 
 `stale_after_s` counts as saturated) and are under the busy thresholds. Within each location one node
 is chosen: the session's rendezvous-hash owner when the request has an affinity key and that node has
 headroom under the load bound, else the less loaded of two random choices; warm nodes before cold
-ones. Locations are then ranked by expected time to first token:
-    RTT + predicted queue wait + prefill of the uncached prompt + cold-load penalty (model not warm),
+ones, and for a request naming a LoRA adapter, warm nodes holding it loaded before those. Locations are
+then ranked by expected time to first token:
+    RTT + predicted queue wait + prefill of the uncached prompt + cold-load penalty (model not warm,
+    adapter not loaded),
 the queue wait rising with every running and every queued request (a batch's step time grows with its size,
 and queued prompts are prefilled first), plus a slot wait once the node's slots are full. The prefill,
 cold-load and wait constants are per model (`PolicyConfig.models`), the global ones for models not listed.
@@ -65,6 +67,7 @@ class NodeState:
     models_available: frozenset[str]
     models_warm: frozenset[str] = frozenset()
     models_loading: frozenset[str] = frozenset()
+    adapters_warm: frozenset[str] = frozenset()  # LoRA adapters loaded in its engines (by adapter key)
     queue_depth: int = 0
     running: int = 0
     kv_usage: float = 0.0
@@ -92,6 +95,7 @@ class RequestFeatures:
     prompt_tokens: int
     client_location: str
     affinity_key: str | None = None
+    adapter: str | None = None  # the tenant's LoRA adapter it names (its adapter key), if any
     tenant: str = ""
     cached_tokens: Mapping[str, int] = field(default_factory=dict)
     cache_salt: str = ""
@@ -122,6 +126,7 @@ class PolicyConfig:
     cold_load_s: float = 5.0
     wait_per_running_s: float = 0.01
     wait_per_queued_s: float = 0.05
+    adapter_load_s: float = 0.1  # reading a LoRA adapter into an engine where it is not loaded
     models: Mapping[str, ModelCosts] = field(default_factory=dict)  # model name -> its costs
     busy_queue_depth: int = 16  # a node with this many waiting is over the threshold
     busy_kv_usage: float = 0.95
@@ -241,6 +246,8 @@ def estimate(
     if request.model not in node.models_warm:
         # A load already under way is, on average, half done.
         cold = costs.cold_load_s / 2 if request.model in node.models_loading else costs.cold_load_s
+    if request.adapter is not None and request.adapter not in node.adapters_warm:
+        cold += config.adapter_load_s
     return Candidate(
         node_id=node.node_id,
         location=node.location,
@@ -295,7 +302,10 @@ def _pick_in_location(
     nodes: list[NodeState], request: RequestFeatures, rng: random.Random, config: PolicyConfig
 ) -> NodeState:
     warm = [n for n in nodes if request.model in n.models_warm]
-    pool = warm or nodes
+    # a node holding the request's adapter loaded before the other warm ones: no load, and the adapter's
+    # requests share its steps there
+    hot = [n for n in warm if request.adapter in n.adapters_warm] if request.adapter else []
+    pool = hot or warm or nodes
     if request.affinity_key:
         owner = _affinity_owner(pool, request, config)
         if owner is not None:

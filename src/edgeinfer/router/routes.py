@@ -29,6 +29,8 @@ from edgeinfer.api.schemas import (
 from edgeinfer.api.tenants import Tenant
 from edgeinfer.batch import answers
 from edgeinfer.batch.submission import read_batch_body
+from edgeinfer.finetunes import answers as finetune_answers
+from edgeinfer.finetunes.upload import read_upload
 from edgeinfer.obs.metrics import CONTENT_TYPE
 from edgeinfer.router import status_page
 from edgeinfer.router.body import json_value, validated
@@ -40,6 +42,8 @@ Answer = Reply | Streamed
 Handler = Callable[[RouterService, Request], Awaitable[Answer]]
 _STARTED = int(time.time())
 _WORKERS_AI = re.compile(r"/accounts/([^/]+)/ai/run/(.*)", re.DOTALL)
+_FINETUNES = re.compile(r"/accounts/[^/]+/ai/finetunes")
+_ASSETS = re.compile(r"/accounts/[^/]+/ai/finetunes/([^/]+)/finetune-assets")
 _TRUE, _FALSE = {"true", "1", "yes", "on", "t", "y"}, {"false", "0", "no", "off", "f", "n"}
 
 
@@ -51,14 +55,14 @@ async def completions(service: RouterService, request: Request) -> Answer:
     value = json_value(request)
     tenant = tenant_of(service, request)
     job = completion_job(validated(CompletionRequest, value), value, service.config.limits)
-    return await service.route(request, tenant, _base(service, job.model), _output_tokens(job, service))
+    return await _generate(service, request, tenant, job)
 
 
 async def chat_completions(service: RouterService, request: Request) -> Answer:
     value = json_value(request)
     tenant = tenant_of(service, request)
     job = chat_job(validated(ChatCompletionRequest, value), value, service.config.limits)
-    return await service.route(request, tenant, _base(service, job.model), _output_tokens(job, service))
+    return await _generate(service, request, tenant, job)
 
 
 async def embeddings(service: RouterService, request: Request) -> Answer:
@@ -81,7 +85,7 @@ async def run_model(service: RouterService, request: Request, model: str) -> Ans
         embedding = workers_ai_embedding_job(model, body, service.config.limits)
         return await service.route(request, tenant, embedding.model)
     job = workers_ai_job(model, body, value, service.config.limits)
-    return await service.route(request, tenant, _base(service, job.model), _output_tokens(job, service))
+    return await _generate(service, request, tenant, job)
 
 
 def _queue_request(request: Request) -> bool:
@@ -100,16 +104,56 @@ async def _queued(service: RouterService, request: Request, tenant: Tenant, mode
     node serves now is queued all the same (its poll says so): nodes serving it may come."""
     store = service.batch_store()
     read = read_batch_body(value, model, service.config.limits, embeddings=service.embeds(model))
-    answer = await service.queued(request, tenant, lambda: answers.answer(store, tenant.name, model, read))
+    answer = await service.counted(request, tenant, lambda: answers.answer(store, tenant.name, model, read))
     return json_reply(answer)
 
 
-def _base(service: RouterService, model: str) -> str:
-    """The model the fleet places by: a tenant's adapter (`base:adapter`) runs on its base's nodes, which
-    check that the adapter is the tenant's; a served model whose own name holds ':' stays whole."""
-    if ":" not in model or model in service.state.served_models(service.config.policy.drop_after_s):
-        return model
-    return split_model(model)[0]
+async def create_finetune(service: RouterService, request: Request) -> Answer:
+    """A tenant's new finetune of a text-generation model the fleet serves, kept on the fleet's store."""
+    value = json_value(request)
+    tenant = tenant_of(service, request)
+    store = service.finetune_store()
+
+    def base_model(name: str) -> str:
+        if service.is_embedding_model(name):
+            raise bad_request(f"{name} is an embedding model: finetunes are for text generation", "model")
+        return name
+
+    def work() -> Awaitable[dict[str, Any]]:
+        return finetune_answers.create(store, tenant.name, value, base_model)
+
+    return json_reply(await service.counted(request, tenant, work))
+
+
+async def list_finetunes(service: RouterService, request: Request) -> Answer:
+    tenant = tenant_of(service, request)
+    store = service.finetune_store()
+    answer = await service.counted(request, tenant, lambda: finetune_answers.listing(store, tenant.name))
+    return json_reply(answer)
+
+
+async def upload_asset(service: RouterService, request: Request, finetune_id: str) -> Answer:
+    """One of a finetune's two files, onto the fleet's store: every node serving its base then finds it."""
+    tenant = tenant_of(service, request)
+    store = service.finetune_store()
+    file_name, data = read_upload(request.text_header(b"content-type"), request.body)
+
+    async def work() -> dict[str, Any]:
+        answer, _ = await finetune_answers.upload(store, tenant.name, finetune_id, file_name, data)
+        return answer
+
+    return json_reply(await service.counted(request, tenant, work))
+
+
+async def _generate(service: RouterService, request: Request, tenant: Tenant, job: Job) -> Answer:
+    """A generation job to the fleet: placed by its base model, where its LoRA adapter is loaded if it
+    names one (`base:adapter` or Workers AI's `lora`; the base's nodes check that it is the tenant's). A
+    served model whose own name holds ':' stays whole."""
+    base, adapter = job.model, job.adapter
+    served = service.state.served_models(service.config.policy.drop_after_s)
+    if adapter is None and ":" in base and base not in served:
+        base, adapter = split_model(base)
+    return await service.route(request, tenant, base, _output_tokens(job, service), adapter)
 
 
 def _output_tokens(job: Job, service: RouterService) -> int:
@@ -194,7 +238,16 @@ async def dispatch(service: RouterService, request: Request) -> Answer:
     match = _WORKERS_AI.fullmatch(path)
     if match is not None and method == b"POST":
         return await run_model(service, request, match.group(2))
-    allowed = b"POST" if path in POST or match is not None else b"GET" if path in GET else None
+    if _FINETUNES.fullmatch(path) and method in (b"GET", b"POST"):
+        return await (list_finetunes if method == b"GET" else create_finetune)(service, request)
+    assets = _ASSETS.fullmatch(path)
+    if assets is not None and method == b"POST":
+        return await upload_asset(service, request, assets.group(1))
+    if _FINETUNES.fullmatch(path):
+        allowed: bytes | None = b"GET, POST"
+    else:
+        posted = path in POST or match is not None or assets is not None
+        allowed = b"POST" if posted else b"GET" if path in GET else None
     if allowed is None:
         raise ApiError(404, "Not Found", code="not_found")
     reply = error_reply(ApiError(405, "Method Not Allowed", code="method_not_allowed"), path)

@@ -10,10 +10,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from edgeinfer.api import router_trust
+from edgeinfer.api.adapters import adapter_key
 from edgeinfer.api.errors import ApiError, bad_request, busy, model_not_found, unavailable
 from edgeinfer.api.tenants import Tenant, TenantRegistry
 from edgeinfer.api.usage import usage_body
 from edgeinfer.batch.store import BatchStore
+from edgeinfer.finetunes.store import JetStreamFinetunes
 from edgeinfer.ledger.client import LedgerError, query_usage
 from edgeinfer.router.bus import FleetBus
 from edgeinfer.router.config import RouterConfig
@@ -118,17 +120,18 @@ class RouterService:
         return model_not_found(f"model {model!r} does not exist; this fleet serves: {served}")
 
     async def route(
-        self, request: Request, tenant: Tenant, model: str, output_tokens: int = 0
+        self, request: Request, tenant: Tenant, model: str, output_tokens: int = 0, adapter: str | None = None
     ) -> Reply | Relay:
         """Generation and embedding requests alike: the same limits, policy, retries, tenants and metrics.
         `output_tokens`: the most the request may generate (all choices), reserved against tokens/min
-        with the prompt's estimate until the node's usage event says what it used."""
+        with the prompt's estimate until the node's usage event says what it used. `adapter`: the tenant's
+        LoRA adapter it names, placed where that is loaded."""
         admission = None
         if self.limiter is not None:
             reserve = len(request.body) // BYTES_PER_TOKEN + output_tokens
             admission = await self.limiter.admit(tenant, request.request_id, reserve)
         try:
-            response = await self._route(request, tenant, model)
+            response = await self._route(request, tenant, model, adapter)
         except BaseException as exc:
             if admission is not None:
                 admission.end(exc.status if isinstance(exc, ApiError) else 500)
@@ -137,7 +140,9 @@ class RouterService:
             _end_with(response, admission)
         return response
 
-    async def _route(self, request: Request, tenant: Tenant, model: str) -> Reply | Relay:
+    async def _route(
+        self, request: Request, tenant: Tenant, model: str, adapter: str | None = None
+    ) -> Reply | Relay:
         location = self.client_location(request)
         affinity = request.text_header(AFFINITY_HEADER)
         salt = self.cache_salt(tenant)
@@ -150,6 +155,7 @@ class RouterService:
             prompt_tokens=tokens,
             client_location=location,
             affinity_key=affinity,
+            adapter=adapter_key(tenant.name, adapter) if adapter else None,
             tenant=tenant.name,
             cached_tokens=cached,
             cache_salt=salt,
@@ -182,6 +188,13 @@ class RouterService:
             raise unavailable(f"fleet usage: {exc}") from None
         return usage_body(tenant.name, start, end, rows)
 
+    def finetune_store(self) -> JetStreamFinetunes:
+        """The fleet's finetunes; 400 for a router without them (an upload must reach every node)."""
+        if self.bus is None or self.bus.finetunes is None:
+            message = "finetunes are kept by the fleet: start the router with --nats-url (JetStream on)"
+            raise bad_request(message)
+        return self.bus.finetunes
+
     def batch_store(self) -> BatchStore:
         """The Batch API's queue; 400 for a router without it."""
         if self.bus is None or self.bus.batch is None:
@@ -189,11 +202,12 @@ class RouterService:
             raise bad_request(message, "queueRequest")
         return self.bus.batch
 
-    async def queued(
+    async def counted(
         self, request: Request, tenant: Tenant, work: Callable[[], Awaitable[dict[str, Any]]]
     ) -> dict[str, Any]:
-        """A Batch-API submission or poll: one request against the tenant's fleet limits (no tokens: its
-        entries count against the limits of the nodes that run them)."""
+        """A call the router answers itself (a Batch-API submission or poll, a finetunes call): one request
+        against the tenant's fleet limits (no tokens: queued entries count against the limits of the
+        nodes that run them)."""
         admission = await self.limiter.admit(tenant, request.request_id, 0) if self.limiter else None
         status = 500
         try:

@@ -106,6 +106,7 @@ def _state(view: NodeView) -> NodeState:
         models_available=frozenset(status.models_available),
         models_warm=frozenset(status.models_warm),
         models_loading=frozenset(status.models_loading),
+        adapters_warm=frozenset(status.adapters_warm),
         queue_depth=status.queue_depth + view.sent_since_status - starting,
         running=status.running + starting,
         kv_usage=status.kv_usage,

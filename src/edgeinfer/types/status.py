@@ -26,6 +26,7 @@ class NodeStatus:
     models_warm: tuple[str, ...] = ()
     models_loading: tuple[str, ...] = ()
     models_embedding: tuple[str, ...] = ()
+    adapters_warm: tuple[str, ...] = ()  # LoRA adapters loaded in an engine (api/adapters.adapter_key)
     queue_depth: int = 0
     running: int = 0
     kv_usage: float = 0.0
@@ -49,6 +50,7 @@ class NodeStatus:
                 models_warm=tuple(map(str, raw.get("models_warm", ()))),
                 models_loading=tuple(map(str, raw.get("models_loading", ()))),
                 models_embedding=tuple(map(str, raw.get("models_embedding", ()))),
+                adapters_warm=tuple(map(str, raw.get("adapters_warm", ()))),
                 queue_depth=int(raw.get("queue_depth", 0)),
                 running=int(raw.get("running", 0)),
                 kv_usage=float(raw.get("kv_usage", 0.0)),

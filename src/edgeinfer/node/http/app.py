@@ -8,6 +8,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -16,14 +17,17 @@ from edgeinfer import __version__
 from edgeinfer.api.files import load_table
 from edgeinfer.api.http import error_handlers
 from edgeinfer.api.tenants import TenantRegistry
+from edgeinfer.engine.cache_dir import cache_root
 from edgeinfer.node.billing.metering import UsageStore
 from edgeinfer.node.billing.prices import PriceTable
 from edgeinfer.node.billing.ratelimit import RateLimiter
 from edgeinfer.node.config import NodeConfig
+from edgeinfer.node.finetunes import NodeFinetunes
 from edgeinfer.node.fleet_status import StatusPublisher
 from edgeinfer.node.http import (
     openapi_schema,
     routes_embeddings,
+    routes_finetunes,
     routes_openai,
     routes_ops,
     routes_workers_ai,
@@ -98,12 +102,15 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
         prices=prices,
         metrics=metrics,
         stream_write_timeout_s=config.connections.stream_write_timeout_s,
+        finetunes=NodeFinetunes(
+            config.nats_url, Path(config.finetunes_dir), cache_root() / "finetunes", config.node_id
+        ),
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         checkpoints = asyncio.create_task(service.checkpoint_usage(config.usage_checkpoint_s))
-        publisher = StatusPublisher(config, pool) if config.nats_url else None
+        publisher = StatusPublisher(config, pool, service.adapters.warm) if config.nats_url else None
         usage = _usage_publisher(store, config)
         batch = app.state.batch = _batch_worker(service, config)
         try:
@@ -133,6 +140,7 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
             if usage is not None:
                 await usage.stop()
             await pool.shutdown()
+            await service.adapters.finetunes.close()
             await asyncio.to_thread(store.close)
 
     app = FastAPI(
@@ -147,7 +155,7 @@ def create_app(config: NodeConfig, pool: ModelPool) -> FastAPI:
     app.state.batch = None
     app.state.draining = False  # set by server.NodeServer when asked to stop
     error_handlers.install(app)
-    for module in (routes_openai, routes_embeddings, routes_workers_ai, routes_ops):
+    for module in (routes_openai, routes_embeddings, routes_workers_ai, routes_finetunes, routes_ops):
         app.include_router(module.router)
     openapi_schema.install(app, open_node=config.tenants_file is None)
     app.add_middleware(

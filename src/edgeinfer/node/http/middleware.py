@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edgeinfer.api.errors import STATUS_CLIENT_CLOSED, is_workers_ai_path, unexpected
 from edgeinfer.api.http.request_ids import request_id_of
+from edgeinfer.finetunes.records import body_limit
 from edgeinfer.obs.access_log import log_access
 from edgeinfer.obs.metrics import NodeMetrics
 
@@ -63,7 +64,8 @@ class NodeMiddleware:
 
     def _limited(self, scope: Scope, receive: Receive, started: float) -> Receive:
         declared = _content_length(scope)
-        raise_at_read = declared is not None and declared > self.max_body_bytes
+        limit = body_limit(scope.get("path", ""), self.max_body_bytes)
+        raise_at_read = declared is not None and declared > limit
         deadline = started + self.body_timeout_s
         seen = 0
         more_body = True
@@ -81,8 +83,8 @@ class NodeMiddleware:
             if message["type"] == "http.request":
                 more_body = message.get("more_body", False)
                 seen += len(message.get("body", b""))
-                if raise_at_read or seen > self.max_body_bytes:
-                    raise HTTPException(413, f"request body larger than {self.max_body_bytes} bytes")
+                if raise_at_read or seen > limit:
+                    raise HTTPException(413, f"request body larger than {limit} bytes")
             return message
 
         return receive_limited

@@ -8,9 +8,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
+from edgeinfer.api.adapters import TenantAdapter
+from edgeinfer.api.errors import ApiError
 from edgeinfer.api.http.json_body import BoundedJSONRoute
 from edgeinfer.api.prepare import chat_job, completion_job
 from edgeinfer.api.schemas import ChatCompletionRequest, CompletionRequest
+from edgeinfer.api.tenants import Tenant
 from edgeinfer.node.http.auth import AuthTenant
 from edgeinfer.node.http.render import ChatRenderer, CompletionRenderer
 
@@ -58,7 +61,7 @@ async def models(request: Request, tenant: AuthTenant) -> dict[str, Any]:
                     "edgeinfer": info,
                 }
             )
-    for adapter in tenant.adapters.values():
+    for adapter in [*tenant.adapters.values(), *await _finetunes(request, tenant)]:
         data.append(
             {
                 "id": f"{adapter.model}:{adapter.name}",
@@ -82,3 +85,14 @@ async def usage(
 ) -> dict[str, Any]:
     """The calling tenant's metered usage per model: requests, input, cached input and output tokens, cost."""
     return await request.app.state.service.usage(tenant, start, end)
+
+
+async def _finetunes(request: Request, tenant: Tenant) -> list[TenantAdapter]:
+    """The tenant's uploaded finetunes whose files are all in (none while the fleet's store is out of
+    reach: the models themselves are still listed)."""
+    try:
+        store = await request.app.state.service.adapters.finetunes.store()
+        finetunes = await store.list(tenant.name)
+    except ApiError:
+        return []
+    return [TenantAdapter(f.name, f.model, "") for f in finetunes if f.complete]

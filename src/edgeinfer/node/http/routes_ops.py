@@ -43,7 +43,8 @@ async def ready(request: Request) -> JSONResponse:
 @router.get("/node/status", tags=["ops"])
 async def status(request: Request) -> Response:
     """The NodeStatus routers read (the same JSON the node publishes on NATS)."""
-    snapshot = node_status(request.app.state.node_config, request.app.state.service.pool)
+    service = request.app.state.service
+    snapshot = node_status(request.app.state.node_config, service.pool, service.adapters.warm())
     return Response(snapshot.to_json(), media_type="application/json")
 
 
