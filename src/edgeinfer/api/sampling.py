@@ -61,6 +61,7 @@ def sampling_params(
         logprobs=logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
         grammar=grammar,
+        speculative=body.speculative,
     )
 
 

@@ -150,6 +150,9 @@ class SamplingFields(_RequestBody):
     user: str | None = None
     options: RequestOptions | None = None
     priority: Priority = 0
+    # edgeinfer's own: false keeps this request out of speculative decoding where the server runs it
+    # (its output is the same either way; a caller measuring plain decode, or with little to copy, opts out)
+    speculative: bool = True
 
 
 class CompletionRequest(SamplingFields):
