@@ -1,12 +1,14 @@
 """Long prompts, edgeinfer against llama-server in one run: time to first token at 1k, 4k, 12k and 30k prompt
 tokens (one request, `max_tokens: 1`, a fresh random prompt each, so no prompt cache helps), decode speed
-with 16k tokens of context, and how many 32k-token sequences our default KV memory holds.
+with 16k tokens of context, and how many 32k-token sequences our default KV memory holds with the hybrid
+KV cache (sliding-window layers keep only their window's blocks) and without it.
 
 Gemma 3 270M at bf16 on both sides: ours `edgeinfer serve` with no flags but the port (bf16 from the
 default Q4_K_M GGUF), llama-server on the BF16 GGUF llama-quantize makes of the same file, one slot of
 32k + 256 tokens, flash attention on; each server at its own default thread count, one at a time.
 
     .venv/bin/python bench/long_context.py [--lengths 1024 4096 12288 30720] [--write-docs]
+    .venv/bin/python bench/long_context.py --capacity-only   # the KV arithmetic alone, no servers
 """
 
 from __future__ import annotations
@@ -14,19 +16,25 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import peers
 from docs_table import replace_section
-from serve_vs_llamacpp import RESULTS, our_server
+from serve_vs_llamacpp import our_server
 
+from edgeinfer.engine.config import EngineConfig
+from edgeinfer.engine.kv_cache import KVCacheManager
+from edgeinfer.engine.loading import plan_layout, resolve_dtype
+from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.model.loader.default_model import resolve_default_model
+from edgeinfer.engine.model.registry import build_model
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 PORT = 8571
@@ -76,13 +84,50 @@ def measure(url: str, model: str, lengths: list[int]) -> dict[str, float | str]:
     return row
 
 
-def kv_sequences(log: Path) -> int:
-    """32k-token sequences the engine's KV pool holds (its `engine ready` line: blocks x block size)."""
-    found = re.search(r"(\d+) KV blocks x (\d+) tokens", log.read_text(errors="replace"))
-    return int(found.group(1)) * int(found.group(2)) // CAPACITY_TOKENS if found else 0
+@dataclass(frozen=True)
+class Capacity:
+    """One 32k-token sequence's KV at its peak (blocks and MiB) and how many such sequences the default KV
+    memory holds at once, from the layout the engine plans (loading.plan_layout) and the blocks its cache
+    manager gives such a sequence while its prompt is prefilled a full step at a time."""
+
+    blocks: int
+    layers_per_block: int
+    mib: float
+    sequences: int
 
 
-def table(ours: dict[str, float | str], llama: dict[str, float | str], lengths: list[int], seqs: int) -> str:
+def kv_capacity(gguf: Path, hybrid: bool) -> Capacity:
+    ckpt = open_checkpoint(str(gguf))
+    with torch.device("meta"):  # the layout needs the model's shape, not its weights
+        model = build_model(ckpt.config)
+    config = EngineConfig(model=str(gguf), hybrid_kv_cache=hybrid)
+    layout = plan_layout(config, model, resolve_dtype(config.dtype, torch.device(config.device)))
+    kv = KVCacheManager(layout.num_kv_blocks, layout.block_size, windows=layout.kv_groups.windows)
+    blocks = kv.peak_blocks(CAPACITY_TOKENS, config.max_num_batched_tokens)
+    mib = blocks * layout.kv_block_bytes / 2**20
+    return Capacity(blocks, layout.kv_groups.slots, mib, layout.num_kv_blocks // blocks)
+
+
+def capacity_lines(before: Capacity, after: Capacity) -> list[str]:
+    rows = [
+        ("every layer keeps every token (`--no-hybrid-kv-cache`)", before),
+        ("hybrid KV cache (windowed layers keep their window)", after),
+    ]
+    return [
+        "| 32k-token sequences in the default KV memory (512 MiB) | KV blocks per sequence | KV per sequence "
+        "| sequences |",
+        "|---|---|---|---|",
+        *(
+            f"| {name} | {c.blocks:,} (16 tokens x {c.layers_per_block} layers each) | {c.mib:.0f} MiB "
+            f"| {c.sequences} |"
+            for name, c in rows
+        ),
+    ]
+
+
+def table(
+    ours: dict[str, float | str], llama: dict[str, float | str], lengths: list[int], capacity: list[str]
+) -> str:
     flags = " ".join(
         sorted(peers.cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"})
     )
@@ -105,12 +150,7 @@ def table(ours: dict[str, float | str], llama: dict[str, float | str], lengths: 
         key = f"ttft_{n}"
         lines.append(_row(f"TTFT at {n:,} prompt tokens (s)", llama[key], ours[key], "{:.2f}"))
     lines.append(_row("decode at 16k context (tok/s)", llama["decode"], ours["decode"], "{:.1f}"))
-    lines += [
-        "",
-        f"Our default KV memory holds {seqs} sequence(s) of 32k tokens (every layer keeps every token: the "
-        "sliding-window layers' blocks are not freed yet).",
-    ]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *capacity])
 
 
 def _row(name: str, theirs: float | str, ours: float | str, fmt: str) -> str:
@@ -125,18 +165,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 12_288, 30_720])
     ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--capacity-only", action="store_true", help="print the KV capacity and stop")
     args = ap.parse_args()
-    peers.build()
     gguf = resolve_default_model()
+    capacity = capacity_lines(kv_capacity(gguf, hybrid=False), kv_capacity(gguf, hybrid=True))
+    print("\n".join(capacity), flush=True)
+    if args.capacity_only:
+        return
+    peers.build()
     threads = os.cpu_count() or 1
     with our_server("gemma-3-270m", PORT, [], threads) as server:
         ours = measure(server.base_url, "gemma-3-270m", args.lengths)
-    seqs = kv_sequences(RESULTS / "logs" / f"edgeinfer-{PORT}.log")
     print("edgeinfer", ours, flush=True)
     with peers.llama_server(peers.peer_gguf("bf16", gguf), PORT, n_parallel=1, ctx=32_768 + 256) as server:
         llama = measure(server.base_url, "gemma-3-270m", args.lengths)
     print("llama.cpp", llama, flush=True)
-    text = table(ours, llama, args.lengths, seqs)
+    text = table(ours, llama, args.lengths, capacity)
     print(text)
     if args.write_docs:
         replace_section(DOCS, f"long-context-{peers.cpu_family()}", text)

@@ -37,6 +37,7 @@ ROUTER_CPU, LOAD_CPU = "0", "1"
 STREAM_LEVELS = ((1, 15.0), (64, 10.0), (256, 10.0))  # (concurrent streams, measured seconds)
 RATE_CONCURRENCY, RATE_SECONDS = 64, 8.0
 WARMUP_S = 1.5
+STREAM_S = (CHUNKS - 1) * INTERVAL_S  # one stream's length at the stub
 GRACE_S = 30.0
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -268,7 +269,8 @@ async def closed_loop(
     statuses: Counter[int] = Counter()
     window: list[Window] = []
 
-    async def worker(conn: Conn) -> None:
+    async def worker(conn: Conn, delay: float) -> None:
+        await asyncio.sleep(delay)
         while True:
             now = time.perf_counter()
             if now >= end:
@@ -293,7 +295,10 @@ async def closed_loop(
             if status == 200 and begin <= finished < end:
                 counts["done_in_window"] += 1
 
-    tasks = [asyncio.ensure_future(worker(c)) for c in conns]
+    # Clients start spread over one stream's length: started at one instant, a closed loop of equal
+    # streams stays in lockstep, its requests arriving in a few bursts for good.
+    spread = STREAM_S / concurrency
+    tasks = [asyncio.ensure_future(worker(c, i * spread)) for i, c in enumerate(conns)]
     await asyncio.sleep(WARMUP_S + seconds)
     cpu = (window[0] if window else Window(router_pid)).close()
     _, pending = await asyncio.wait(tasks, timeout=GRACE_S)
@@ -489,7 +494,9 @@ def render(
             "`--stale-after-s 5`. The stub node (bench/router_stub.py) and the load generator share one "
             f"process and one uvloop event loop pinned to CPU {LOAD_CPU}, on raw asyncio protocols "
             "(keep-alive HTTP/1.1, no HTTP library). Closed loop: each of N connections sends its next "
-            f"request when the last one ends; {WARMUP_S:g} s warm-up, then a measured window "
+            "request when the last one ends, the connections' first requests spread over one stream's length "
+            "(started at one instant, equal streams stay in lockstep and arrive in bursts for good); "
+            f"{WARMUP_S:g} s warm-up, then a measured window "
             f"({', '.join(f'{s * args.scale:g} s at {c}' for c, s in STREAM_LEVELS)}; "
             f"{RATE_SECONDS * args.scale:g} s for requests/s). Stub stream: {CHUNKS} SSE chunks, the first "
             f"at once, then one per {INTERVAL_S * 1000:g} ms. TTFT = request written to first body byte "

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from helpers.embeddings import minilm_dir
 from helpers.jetstream import JetStream
-from helpers.router_fleet import KEYS, NodeProc, RouterProc, free_port, node_args, write_tenants
+from helpers.router_fleet import KEYS, NodeProc, RouterProc, fra_fleet, free_port, node_args, write_tenants
 from helpers.tiny_models import make_tiny
 
 from edgeinfer.batch.store import WORK_STREAM, model_token
@@ -52,31 +52,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     workdir = tmp_path_factory.mktemp("batch")
     model = str(make_tiny("llama", workdir / "tiny", seed=0, max_position_embeddings=4096))
     nats = JetStream(workdir).start()
-    tenants = write_tenants(workdir)
+    write_tenants(workdir)
     (workdir / "prices.json").write_text(json.dumps({"default": PRICE}))
     # fra-1 also serves the embedding model (loaded by the first entry for it)
     nodes = [_node(workdir, "fra-1", nats.url, {"tiny": model, "minilm": str(minilm_dir())})]
     nodes.append(_node(workdir, "fra-2", nats.url, {"tiny": model}))
-    fleet_file = workdir / "fleet.toml"
-    fleet_file.write_text(
-        '[[locations]]\ncode = "FRA"\nlat = 50.03\nlon = 8.57\n'
-        + "".join(f'[[locations.nodes]]\nid = "{n.node_id}"\nurl = "{n.url}"\n' for n in nodes)
-    )
-    args = ["--fleet", str(fleet_file), "--location", "FRA", "--nats-url", nats.url]
-    args += ["--tenants", str(tenants), "--router-secret-file", str(workdir / "secret")]
-    router = RouterProc("router", "FRA", free_port(), args, workdir / "router.log")
     try:
-        for node in nodes:
-            node.start()
-        for node in nodes:
-            node.wait_ready()
-        router.start()
-        router.wait_ready()
-        yield Fleet(nodes, router, nats.url, workdir)
+        with fra_fleet(workdir, nats.url, nodes) as router:
+            yield Fleet(nodes, router, nats.url, workdir)
     finally:
-        router.stop()
-        for node in nodes:
-            node.stop()
         nats.stop()
 
 

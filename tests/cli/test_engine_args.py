@@ -16,6 +16,7 @@ from edgeinfer.eval import cli as eval_cli
 FLAGS = [
     "--device", "cuda", "--dtype", "float16", "--quantization", "int4", "--lm-head-quantization", "none",
     "--gptq", "enwiki", "--no-cpu-gemv", "--kv-cache-dtype", "int8", "--kv-cache-memory", "64MiB",
+    "--no-hybrid-kv-cache", "--weights", "bf16",
     "--max-model-len", "256", "--max-num-seqs", "3", "--max-num-batched-tokens", "96",
     "--max-step-ms", "0", "--shared-step-ms", "40", "--batch-step-ms", "0",
     "--batch-window-ms", "0", "--scheduling-policy", "priority",
@@ -33,6 +34,8 @@ EXPECTED = EngineConfig(
     cpu_gemv=False,
     kv_cache_dtype="int8",
     kv_cache_memory_bytes=64 * 2**20,
+    hybrid_kv_cache=False,
+    weights="bf16",
     max_model_len=256,
     max_num_seqs=3,
     max_num_batched_tokens=96,

@@ -40,13 +40,13 @@ def test_lru_eviction_prefers_least_recently_freed():
 def test_prefix_hit_shares_blocks_and_counts_refs():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     prompt = list(range(10))
-    blocks, cached = kv.lookup("", prompt)
-    assert (blocks, cached) == ([], 0)
-    table = kv.allocate("r1", 10, blocks)
+    hit = kv.lookup("", prompt)
+    assert (hit.tables, hit.num_tokens) == ([[]], 0)
+    (table,) = kv.allocate("r1", 10, hit)
     kv.cache_full_blocks("r1", prompt, 10)
-    blocks, cached = kv.lookup("", prompt + [99])
-    assert cached == 8 and blocks == table[:2]
-    t2 = kv.allocate("r2", 11, blocks)
+    hit = kv.lookup("", prompt + [99])
+    assert hit.num_tokens == 8 and hit.tables == [table[:2]]
+    (t2,) = kv.allocate("r2", 11, hit)
     assert t2[:2] == table[:2] and kv.pool.ref_cnt[table[0]] == 2
     kv.check_integrity()
     kv.free("r1")
@@ -60,8 +60,7 @@ def test_lookup_always_leaves_a_token_to_compute():
     prompt = list(range(8))
     kv.allocate("r1", 8)
     kv.cache_full_blocks("r1", prompt, 8)
-    _, cached = kv.lookup("", prompt)
-    assert cached == 4  # the second block would leave nothing to compute for logits
+    assert kv.lookup("", prompt).num_tokens == 4  # the second block would leave nothing to compute
 
 
 def test_namespaces_never_share_blocks():
@@ -69,8 +68,8 @@ def test_namespaces_never_share_blocks():
     prompt = list(range(12))
     kv.allocate("a", 12, namespace="tenant-a")
     kv.cache_full_blocks("a", prompt, 12)
-    assert kv.lookup("tenant-b", prompt)[1] == 0
-    assert kv.lookup("tenant-a", prompt)[1] == 8
+    assert kv.lookup("tenant-b", prompt).num_tokens == 0
+    assert kv.lookup("tenant-a", prompt).num_tokens == 8
 
 
 def test_freed_cached_blocks_revive_until_evicted():
@@ -79,13 +78,13 @@ def test_freed_cached_blocks_revive_until_evicted():
     kv.allocate("a", 9)
     kv.cache_full_blocks("a", prompt, 9)
     kv.free("a")
-    blocks, cached = kv.lookup("", prompt)
-    assert cached == 8
-    assert kv.allocate("b", 9, blocks) is not None
+    hit = kv.lookup("", prompt)
+    assert hit.num_tokens == 8
+    assert kv.allocate("b", 9, hit) is not None
     kv.check_integrity()
     kv.free("b")
     kv.allocate("c", 16)  # needs every block: evicts the cached ones
-    assert kv.lookup("", prompt)[1] == 0
+    assert kv.lookup("", prompt).num_tokens == 0
     kv.free("c")
     kv.check_integrity()
 
@@ -96,7 +95,7 @@ def test_new_request_counts_revived_blocks_against_free_space():
     kv.allocate("a", 9)
     kv.cache_full_blocks("a", prompt, 9)
     kv.free("a")
-    blocks, _ = kv.lookup("", prompt)
+    hit = kv.lookup("", prompt)
     kv.allocate("hog", 4)  # one free block left, two cached-but-free blocks wanted back
-    assert kv.allocate("b", 13, blocks) is None  # needs 2 revived + 2 new > 2 free
+    assert kv.allocate("b", 13, hit) is None  # needs 2 revived + 2 new > 2 free
     kv.check_integrity()

@@ -13,7 +13,7 @@ BS = 4
 
 def _cache(kv: KVCacheManager, rid: str, tokens: list[int], tenant: str) -> None:
     """One request that computes `tokens` in tenant's namespace, then finishes (its blocks stay cached)."""
-    prefix, _ = kv.lookup(tenant, tokens)
+    prefix = kv.lookup(tenant, tokens)
     assert kv.allocate(rid, len(tokens), prefix, tenant, owner=tenant) is not None
     kv.cache_full_blocks(rid, tokens, len(tokens))
     kv.free(rid)
@@ -31,7 +31,7 @@ def test_a_flooding_tenant_evicts_its_own_blocks_first(shares: bool) -> None:
     for i in range(10):  # 10 x 4 blocks through a 24-block pool: the pool turns over twice
         _cache(kv, f"f{i}", _prompt(100 + i, 4), "flooder")
         kv.check_integrity()
-    kept = kv.lookup("victim", victim)[1]
+    kept = kv.lookup("victim", victim).num_tokens
     if shares:
         assert kept == 4 * BS  # the flooder, far over its share, gave up its own blocks every time
         assert kv.pool.evicted_by_owner["flooder"] > 0 and kv.pool.evicted_by_owner["victim"] == 0
@@ -58,18 +58,19 @@ def test_a_reused_block_is_unindexed_before_its_new_owner_writes() -> None:
     a = _prompt(1, 2)
     _cache(kv, "a", a, "A")
     table = kv.allocate("b", 3 * BS, [], "B", owner="B")  # needs every block: A's are evicted
-    assert table is not None and kv.lookup("A", a)[1] == 0
-    assert all(kv.pool.block_hash[b] is None and kv.pool.owner[b] == "" for b in table)
-    assert sorted(kv.pool.take_dirty()) == sorted(table)  # all three were written for A: to scrub
+    assert table is not None and kv.lookup("A", a).num_tokens == 0
+    (blocks,) = table
+    assert all(kv.pool.block_hash[b] is None and kv.pool.owner[b] == "" for b in blocks)
+    assert sorted(kv.pool.take_dirty()) == sorted(blocks)  # all three were written for A: to scrub
     kv.free("b")
     kv.check_integrity()
 
 
 def _pin_public(kv: KVCacheManager, public: list[int]) -> list[int]:
     _cache(kv, "public", public, PUBLIC_NAMESPACE)
-    blocks, _ = kv.lookup(PUBLIC_NAMESPACE, [*public, 0])
-    kv.pin(blocks)
-    return blocks
+    hit = kv.lookup(PUBLIC_NAMESPACE, [*public, 0])
+    kv.pin(hit)
+    return hit.blocks()
 
 
 def test_public_prefix_is_shared_and_tails_stay_private() -> None:
@@ -79,11 +80,12 @@ def test_public_prefix_is_shared_and_tails_stay_private() -> None:
     assert len(pinned) == 3
     tail = [500 + i for i in range(2 * BS)]
     prompt = public + tail + [9]
-    blocks, cached = kv.lookup("tenant-a", prompt)
-    assert blocks == pinned and cached == 3 * BS  # B's first visit hits the public blocks, not A's tail
+    hit = kv.lookup("tenant-a", prompt)
+    assert hit.blocks() == pinned and hit.num_tokens == 3 * BS  # B's first visit hits the public blocks
     _cache(kv, "a", prompt, "tenant-a")
-    assert kv.lookup("tenant-a", prompt) == (kv.lookup("tenant-a", prompt)[0], 5 * BS)  # A's tail cached
-    assert kv.lookup("tenant-b", prompt) == (pinned, 3 * BS)  # B: public only
+    assert kv.lookup("tenant-a", prompt).num_tokens == 5 * BS  # A's tail cached
+    hit = kv.lookup("tenant-b", prompt)
+    assert (hit.blocks(), hit.num_tokens) == (pinned, 3 * BS)  # B: public only
     kv.check_integrity()
 
 
@@ -93,7 +95,7 @@ def test_pinned_public_blocks_survive_any_flood() -> None:
     pinned = _pin_public(kv, public)
     for i in range(20):
         _cache(kv, f"f{i}", _prompt(100 + i, 4), "flooder")
-    assert kv.lookup("anyone", [*public, 1])[0] == pinned
+    assert kv.lookup("anyone", [*public, 1]).blocks() == pinned
     assert kv.allocate("huge", 11 * BS, [], "x") is None  # pinned blocks are never handed out
     kv.check_integrity()
 
@@ -102,8 +104,8 @@ def test_a_private_prompt_never_hits_the_public_chain() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     prompt = _prompt(3, 2)
     _cache(kv, "a", prompt, "tenant-a")
-    assert kv.lookup(PUBLIC_NAMESPACE, prompt)[1] == 0  # tenants' blocks never become public
-    assert kv.lookup("tenant-a", prompt)[1] == 2 * BS
+    assert kv.lookup(PUBLIC_NAMESPACE, prompt).num_tokens == 0  # tenants' blocks never become public
+    assert kv.lookup("tenant-a", prompt).num_tokens == 2 * BS
 
 
 def test_salts_are_length_prefixed_and_keyed() -> None:

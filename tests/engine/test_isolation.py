@@ -115,7 +115,7 @@ def test_nan_in_one_sequences_kv_never_reaches_another(tiny_llama, engine_factor
     assert prefills == {"long": False, "short": False, "fresh": True}
     clean = _step_logits(eng, sched)
 
-    tables = eng.scheduler.kv.tables
+    tables = {rid: t for rid, (t,) in eng.scheduler.kv.tables.items()}
     assert NULL_BLOCK not in {b for t in tables.values() for b in t}
     assert len(tables["short"]) < len(tables["long"])  # the short decode's table row is padded
     keep = set(tables["short"]) | set(tables["fresh"])

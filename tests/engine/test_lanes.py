@@ -10,7 +10,7 @@ import pytest
 
 from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulingPolicy
-from edgeinfer.types import EngineRequest, SamplingParams
+from edgeinfer.types import EngineRequest, FinishReason, SamplingParams
 from edgeinfer.types.request import Lane
 
 _ids = itertools.count()
@@ -34,6 +34,7 @@ def _scheduler(
     budget: int = 256,
     policy: str = "fcfs",
     batch_step_ms: float | None = None,
+    interruptible: bool = False,
 ):
     cfg = SchedulerConfig(
         max_num_seqs=seats,
@@ -42,8 +43,15 @@ def _scheduler(
         fair_share=fair,
         policy=SchedulingPolicy(policy),
         batch_step_ms=batch_step_ms,
+        interruptible_steps=interruptible,
     )
     return Scheduler(cfg, KVCacheManager(blocks, 16), lambda: 0.0)
+
+
+def _teach(s: Scheduler, fixed: float, per_row: float, per_token: float) -> None:
+    """Steps of several mixes of decode rows and prefill tokens, timed by this model."""
+    for rows, tokens in [(1, 0), (40, 0), (10, 200), (0, 500), (20, 16)] * 4:
+        s.observe_step(rows + tokens, fixed + per_row * rows + per_token * tokens, rows)
 
 
 def _step(s: Scheduler):
@@ -171,8 +179,9 @@ def test_the_waiting_batch_count_follows_the_queue(policy: str) -> None:
 
 @pytest.mark.parametrize("fair", [True, False])
 def test_a_step_with_batch_work_fits_the_batch_step_time(fair: bool) -> None:
-    """With batch work running, a step takes what fits in `batch_step_ms` by the step-cost line (every
-    interactive decode still), and the batch decodes take turns, so all of them progress."""
+    """With batch work running beside interactive decodes, a step takes what fits in `batch_step_ms` by
+    the line of decode-only steps (every interactive decode still), and the batch decodes take turns, so
+    all of them progress."""
     s = _scheduler(fair, seats=64, budget=256, batch_step_ms=50.0)
     batch = [_req(Lane.BATCH, 4, max_tokens=100) for _ in range(60)]
     interactive = _req(Lane.INTERACTIVE, 4, max_tokens=100)
@@ -180,8 +189,7 @@ def test_a_step_with_batch_work_fits_the_batch_step_time(fair: bool) -> None:
         s.add_request(r)
     while any(r.is_prefilling for r in s.running) or len(s.waiting):
         _step(s)  # no step cost known yet: no time budget, everyone is admitted
-    s.cost.observe(10, 0.020)
-    s.cost.observe(50, 0.060)  # t = 10 ms + 1 ms per token: 40 tokens fit in 50 ms
+    _teach(s, 0.010, 0.001, 0.002)  # 10 ms + 1 ms a decode row: 40 rows fit in 50 ms
     turns = dict.fromkeys((r.request_id for r in s.running if r.is_batch), 0)
     assert len(turns) > 40  # more batch decodes than one step can take
     for _ in range(3):
@@ -204,3 +212,45 @@ def test_batch_work_alone_runs_in_full_steps() -> None:
     s.cost.observe(10, 0.020)
     s.cost.observe(50, 0.060)  # 40 tokens would fit in 50 ms
     assert sum(c.num_tokens for c in _step(s).chunks) == 60
+
+
+def test_interruptible_batch_only_steps_run_whole_beside_interactive_traffic() -> None:
+    """Where interactive work stops a batch-only step (runner/interrupt.py), such a step takes the whole
+    budget even while interactive requests come and go; a step with interactive decodes stays short."""
+    s = _scheduler(True, seats=64, budget=256, batch_step_ms=50.0, interruptible=True)
+    interactive = _req(Lane.INTERACTIVE, 4, max_tokens=3)
+    for r in [interactive, *(_req(Lane.BATCH, 4, max_tokens=100) for _ in range(60))]:
+        s.add_request(r)
+    while any(r.is_prefilling for r in s.running) or len(s.waiting):
+        _step(s)
+    s.cost.observe(10, 0.020)
+    s.cost.observe(50, 0.060)  # 40 tokens fit in 50 ms
+    while interactive.request_id in s.requests:
+        out = _step(s)
+        assert sum(c.num_tokens for c in out.chunks) <= 40 and not out.interruptible
+    out = _step(s)  # the interactive request just ended: batch work alone, all 60 decodes
+    assert sum(c.num_tokens for c in out.chunks) == 60 and out.interruptible
+
+
+def test_beside_interactive_decodes_batch_decodes_fill_by_the_decode_line() -> None:
+    """A decode row costs a fraction of a prefill token: steps beside interactive decodes are sized by the
+    line of decode-only steps, holding decodes only while they fill the step, and batch prefill in what
+    time the decodes leave."""
+    s = _scheduler(True, seats=64, budget=256, batch_step_ms=30.0, interruptible=True)
+    interactive = _req(Lane.INTERACTIVE, 4, max_tokens=100)
+    batch = [_req(Lane.BATCH, 4, max_tokens=100) for _ in range(60)]
+    for r in [interactive, *batch]:
+        s.add_request(r)
+    while any(r.is_prefilling for r in s.running) or len(s.waiting):
+        _step(s)
+    _teach(s, 0.020, 0.0005, 0.001)  # 20 ms + 0.5 ms a decode row (20 in 30 ms) + 1 ms a prefill token
+    out = _step(s)
+    assert len(out.chunks) == 20 and all(c.is_decode for c in out.chunks)
+    for r in batch[6:]:
+        s.finish(r.request_id, FinishReason.ABORT)  # 6 batch decodes left, one more batch request waits
+    late = _req(Lane.BATCH, 40, max_tokens=4)
+    s.add_request(late)
+    out = _step(s)
+    # 7 decodes take 23.5 ms; the 6.5 ms left prefill 6 tokens of the newcomer at 1 ms a token
+    assert {c.request_id: c.num_tokens for c in out.chunks}.get(late.request_id) == 6
+    assert sum(c.is_decode for c in out.chunks) == 7

@@ -166,7 +166,7 @@ def test_rejected_drafts_leave_blocks_and_prefix_cache_intact(tiny_models, engin
         eng.step()
         eng.check_integrity()
         for req in eng.scheduler.running:
-            table = kv.tables[req.request_id]
+            table = kv.tables[req.request_id][0]  # every group's table has one entry per block
             # what its computed tokens fill, and at most the next token's slot: none kept for rejected drafts
             bs = kv.block_size
             assert blocks_for(req.num_computed_tokens, bs) <= len(table) <= blocks_for(req.num_tokens, bs)

@@ -55,7 +55,7 @@ def test_a_block_reused_by_another_tenant_holds_none_of_the_first_ones(tiny_llam
     before = k.clone()
     eng.add_request(EngineRequest("b", list(range(100, 106)), GREEDY, tenant="b", cache_namespace="ns-b"))
     eng.step()  # B's prefill: 6 tokens in 2 of A's old blocks, scrubbed first
-    table = eng.scheduler.kv.tables["b"]
+    (table,) = eng.scheduler.kv.tables["b"]
     assert all(before[b][:2].abs().sum() > 0 for b in table)  # A had written them
     assert k[table[1]][2:].abs().sum() == 0  # the slots B has not written yet: zero, not A's keys
     assert k[table[1]][:2].abs().sum() > 0

@@ -48,9 +48,9 @@ def assert_fused_step_decodes_as_eager(engine: LLMEngine, prompts: list[list[int
     assert fused is not None, "every layer of this model runs on our kernels: the fused step takes it"
     rows: list[int] = []
 
-    def counted(ids, positions, meta):
+    def counted(ids, positions, meta, stop=None):
         rows.append(len(ids))
-        return fused(ids, positions, meta)
+        return fused(ids, positions, meta, stop)
 
     engine.runner.fused = counted
     with_fused = [greedy_answers(engine, prompts, max_tokens, together) for together in (False, True)]

@@ -4,6 +4,7 @@ arguments. Imported from here, not from a conftest, so that any test directory r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,3 +190,29 @@ def node_args(workdir: Path, node_id: str, location: str, nats_url: str, models:
     for name, path in models.items():
         args += ["--model", f"{name}={path}"]
     return args
+
+
+@contextlib.contextmanager
+def fra_fleet(workdir: Path, nats_url: str, nodes: list[NodeProc]) -> Iterator[RouterProc]:
+    """The nodes (one location, FRA) and a router on NATS in front of them, started and ready; all stopped
+    after. The tenants file and router secret are `write_tenants`' and `node_args`' in `workdir`."""
+    fleet_file = workdir / "fleet.toml"
+    fleet_file.write_text(
+        '[[locations]]\ncode = "FRA"\nlat = 50.03\nlon = 8.57\n'
+        + "".join(f'[[locations.nodes]]\nid = "{n.node_id}"\nurl = "{n.url}"\n' for n in nodes)
+    )
+    args = ["--fleet", str(fleet_file), "--location", "FRA", "--nats-url", nats_url]
+    args += ["--tenants", str(workdir / "tenants.json"), "--router-secret-file", str(workdir / "secret")]
+    router = RouterProc("router", "FRA", free_port(), args, workdir / "router.log")
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.wait_ready()
+        router.start()
+        router.wait_ready()
+        yield router
+    finally:
+        router.stop()
+        for node in nodes:
+            node.stop()

@@ -122,7 +122,7 @@ def test_unexpected_errors_are_a_generic_500_with_the_request_id(shared_node, mo
     def broken(*args: object) -> str:
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(shared_node.service, "_base_model", broken)
+    monkeypatch.setattr(shared_node.service, "_generation_target", broken)
     with httpx.Client(base_url=shared_node.url) as client:
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert r.status_code == 500

@@ -52,7 +52,7 @@ def test_fused_step_refuses_inputs_it_cannot_run(ops):
         step.add_layer({}, {})
     with pytest.raises(RuntimeError, match="bf16"):
         slots = torch.zeros(2, dtype=torch.long)
-        step.run(torch.zeros(2, 8), [], [], slots, torch.zeros(2, 1), torch.ones(2))
+        step.run(torch.zeros(2, 8), [], [], slots, torch.zeros(2, 1), torch.ones(2), None)
 
 
 def test_compile_leaves_a_model_the_fused_step_takes_to_it(ops, tiny_models):

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from helpers.jetstream import JetStream
 from helpers.lora import make_adapter
-from helpers.router_fleet import KEYS, NodeProc, RouterProc, free_port, node_args, write_tenants
+from helpers.router_fleet import KEYS, NodeProc, RouterProc, fra_fleet, free_port, node_args, write_tenants
 from helpers.tiny_models import make_tiny
 
 from edgeinfer.api.adapters import adapter_key
@@ -38,26 +38,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[NodeP
         args = node_args(workdir, node_id, "FRA", nats.url, {"tiny": model})
         args += ["--preload", "tiny", "--threads", "1"]  # two nodes on two cores: one thread each
         nodes.append(NodeProc(node_id, "FRA", free_port(), args, workdir / f"{node_id}.log"))
-    fleet_file = workdir / "fleet.toml"
-    fleet_file.write_text(
-        '[[locations]]\ncode = "FRA"\nlat = 50.03\nlon = 8.57\n'
-        + "".join(f'[[locations.nodes]]\nid = "{n.node_id}"\nurl = "{n.url}"\n' for n in nodes)
-    )
-    args = ["--fleet", str(fleet_file), "--location", "FRA", "--nats-url", nats.url]
-    args += ["--tenants", str(workdir / "tenants.json"), "--router-secret-file", str(workdir / "secret")]
-    router = RouterProc("router", "FRA", free_port(), args, workdir / "router.log")
     try:
-        for node in nodes:
-            node.start()
-        for node in nodes:
-            node.wait_ready()
-        router.start()
-        router.wait_ready()
-        yield nodes, router, workdir / "adapter"
+        with fra_fleet(workdir, nats.url, nodes) as router:
+            yield nodes, router, workdir / "adapter"
     finally:
-        router.stop()
-        for node in nodes:
-            node.stop()
         nats.stop()
 
 

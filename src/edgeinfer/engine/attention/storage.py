@@ -1,5 +1,9 @@
 """Paged KV storage: per layer a K pool (and a V pool), addressed by flat slot = block * block_size + offset.
 
+With several KV groups (kv_cache/groups.py) a block holds `groups.slots` layers: there are that many K (and
+V) pools, and each layer uses the pool of its slot in its group, so the layers at one slot of different
+groups share a pool, each group writing only the blocks in its own tables.
+
 Values pass through a `KVQuantizer` (`--kv-cache-dtype`): quantized when written, dequantized when gathered
 for attention. The default (`auto`) stores the compute dtype as is and takes a copy-free fast path.
 """
@@ -10,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from edgeinfer.engine.kv_cache.groups import KVGroups, single_group
 from edgeinfer.engine.quant.kv import Fp8KV, Int8KV, KVQuantizer, NullKV, get_kv_quantizer, take_blocks
 
 
@@ -24,9 +29,13 @@ class KVSpec:
     k_dim: int
     v_heads: int
     v_dim: int
+    windows: tuple[int | None, ...] = ()  # per layer, its sliding window (None: full); empty: all full
 
     def values_per_token_per_layer(self) -> int:
         return self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return self.windows or (None,) * self.num_layers
 
 
 def kv_bytes_per_token(spec: KVSpec, quantizer: KVQuantizer) -> int:
@@ -35,6 +44,11 @@ def kv_bytes_per_token(spec: KVSpec, quantizer: KVQuantizer) -> int:
     if spec.v_dim:
         per_layer += quantizer.bytes_per_token(spec.v_heads, spec.v_dim)
     return per_layer * spec.num_layers
+
+
+def kv_block_bytes(spec: KVSpec, quantizer: KVQuantizer, block_size: int, groups: KVGroups) -> int:
+    """Bytes one block occupies: `block_size` tokens of the `groups.slots` layers it holds."""
+    return kv_bytes_per_token(spec, quantizer) // spec.num_layers * groups.slots * block_size
 
 
 class _Pool:
@@ -60,7 +74,8 @@ class _Pool:
 
 
 class KVCacheStorage:
-    """Holds the paged K/V pools `[num_blocks + 1, block_size, heads, dim]` of every layer.
+    """Holds the paged K/V pools `[num_blocks + 1, block_size, heads, dim]` of every layer (of every slot,
+    with KV groups: `groups`, one group of every layer by default).
 
     Blocks 1..num_blocks hold sequences (the block pool's ids); block 0 is the null block that block-table
     padding points at. It is zeroed at allocation and never written, so a padded gather reads finite zeros.
@@ -74,21 +89,26 @@ class KVCacheStorage:
         dtype: torch.dtype,
         device: torch.device,
         kv_cache_dtype: str = "auto",
+        groups: KVGroups | None = None,
     ) -> None:
         self.spec = spec
+        self.groups = groups or single_group(spec.num_layers)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype  # the compute dtype attention sees
         self.quantizer = get_kv_quantizer(kv_cache_dtype, dtype)
         q = self.quantizer
         physical = num_blocks + 1  # with the null block
-        self.k = [
-            _Pool(q, physical, block_size, spec.k_heads, spec.k_dim, device) for _ in range(spec.num_layers)
-        ]
-        self.v = [
-            _Pool(q, physical, block_size, spec.v_heads, spec.v_dim, device) if spec.v_dim else None
-            for _ in range(spec.num_layers)
-        ]
+        slots = range(self.groups.slots)
+        k = [_Pool(q, physical, block_size, spec.k_heads, spec.k_dim, device) for _ in slots]
+        v = [_Pool(q, physical, block_size, spec.v_heads, spec.v_dim, device) for _ in slots if spec.v_dim]
+        self._pools = k + v
+        layers = [self.groups.slot_of(layer) for layer in range(spec.num_layers)]
+        self.k = [k[slot] for slot in layers]
+        self.v: list[_Pool | None] = [v[slot] if v else None for slot in layers]
+
+    def group_of(self, layer: int) -> int:
+        return self.groups.group_of(layer)
 
     @property
     def lossless(self) -> bool:
@@ -119,7 +139,7 @@ class KVCacheStorage:
         if not block_ids:
             return
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].data.device)
-        for pool in (*self.k, *(v for v in self.v if v is not None)):
+        for pool in self._pools:
             for t in (pool.data, pool.scales):  # as bytes: float8 has no index_fill_ on CPU
                 t.view(torch.uint8).index_fill_(0, idx, 0)
 

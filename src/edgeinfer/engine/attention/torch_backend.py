@@ -111,9 +111,10 @@ class TorchPagedBackend(AttentionBackend):
     def attend(self, layer, q, k, v, scale, window=None, softcap=None):
         meta = self.meta
         assert meta is not None, "begin() must be called before attend()"
+        group = self.storage.group_of(layer)
         if self._takes_decode_op(layer, meta, q, softcap):
-            return self._decode_one(layer, q, k, v, meta, scale, window)
-        self.storage.write(layer, meta.slot_mapping, k, v)
+            return self._decode_one(layer, group, q, k, v, meta, scale, window)
+        self.storage.write(layer, meta.group_slots(group), k, v)
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
@@ -121,7 +122,7 @@ class TorchPagedBackend(AttentionBackend):
         for i in range(nd, meta.num_seqs):
             s, n = meta.query_starts[i], meta.query_lens[i]
             out[s : s + n] = self._prefill(
-                layer, i, q[s : s + n], k[s : s + n], v[s : s + n], meta, scale, window, softcap
+                layer, group, i, q[s : s + n], k[s : s + n], v[s : s + n], meta, scale, window, softcap
             )
         return out
 
@@ -141,36 +142,39 @@ class TorchPagedBackend(AttentionBackend):
             and not torch.compiler.is_compiling()
         )
 
-    def _decode_one(self, layer, q, k, v, meta: AttentionMetadata, scale, window) -> torch.Tensor:
-        if "slot" not in meta.cache:  # one read of the step's slot, not one per layer
-            meta.cache["slot"] = int(meta.slot_mapping[0])
+    def _decode_one(self, layer, group, q, k, v, meta: AttentionMetadata, scale, window) -> torch.Tensor:
+        key = ("slot", group)
+        if key not in meta.cache:  # one read of the step's slot, not one per layer
+            meta.cache[key] = int(meta.group_slots(group)[0])
         k_pool, v_pool, k_scales, v_scales = self.storage.kernel_pools(layer)
         ctx = meta.context_lens[0]
-        slot, table = meta.cache["slot"], meta.block_tables[0]
+        slot, table = meta.cache[key], meta.group_tables(group)[0]
         return ops.paged_decode_one(
             q, k, v, k_pool, v_pool, slot, table, ctx, scale, window or 0, k_scales, v_scales
         )
 
     def _decode(self, layer, q, meta: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
-        nd = meta.num_decodes
+        nd, group = meta.num_decodes, self.storage.group_of(layer)
         if self._takes_batch_op(layer, q, softcap):
             if "decode_ctx" not in meta.cache:
                 meta.cache["decode_ctx"] = meta.decode_context_lens(q.device)
             k_pool, v_pool, k_scales, v_scales = self.storage.kernel_pools(layer)
-            tables, ctx = meta.block_tables[:nd], meta.cache["decode_ctx"]
+            tables, ctx = meta.group_tables(group)[:nd], meta.cache["decode_ctx"]
             return ops.paged_decode(q, k_pool, v_pool, tables, ctx, scale, window or 0, k_scales, v_scales)
-        key = ("decode", window)
+        key = ("decode", window, group)
         if key not in meta.cache:
             ctx = meta.decode_context_lens(q.device)
             n_blocks = -(-max(meta.context_lens[:nd]) // meta.block_size)
             mask = _mask((ctx - 1).view(nd, 1), ctx, n_blocks * meta.block_size, window)
             bias = torch.zeros(mask.shape, device=q.device).masked_fill_(~mask, float("-inf"))
-            meta.cache[key] = (meta.block_tables[:nd, :n_blocks], bias.unsqueeze(1))
+            meta.cache[key] = (meta.group_tables(group)[:nd, :n_blocks], bias.unsqueeze(1))
         blocks, bias = meta.cache[key]
         kc, vc = self.storage.gather(layer, blocks)
         return _grouped_decode(q, kc, vc, bias, scale, softcap)
 
-    def _prefill(self, layer, i, q, k, v, meta: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
+    def _prefill(
+        self, layer, group, i, q, k, v, meta: AttentionMetadata, scale, window, softcap
+    ) -> torch.Tensor:
         n, ctx = meta.query_lens[i], meta.context_lens[i]
         windowed = window is not None and window < ctx
         # the first key any query of the chunk sees, rounded down to its block where it is read from cache
@@ -179,7 +183,7 @@ class TorchPagedBackend(AttentionBackend):
         # hit (which can only read stored values) computes exactly what the miss did.
         if ctx != n or not self.storage.lossless:
             first -= first % meta.block_size
-            blocks = meta.block_tables[i, first // meta.block_size : -(-ctx // meta.block_size)]
+            blocks = meta.group_tables(group)[i, first // meta.block_size : -(-ctx // meta.block_size)]
             k, v = self.storage.gather(layer, blocks)
             k, v = k[: ctx - first], v[: ctx - first]
         else:

@@ -22,12 +22,17 @@ use; `EDGEINFER_CPU_ISA` (scalar, avx2, avx512, avx512_vnni) caps it, for tests 
   rows).
 - `bf16_gemv(x, w)` / `bf16_gemv_out(x, w, out)`: bf16 `[M, K]` x bf16 weight `[N, K]` (row-major, as
   stored) with fp32 sums, into bf16 or fp32 (bf16.py: float models' linear layers and lm_head at few rows).
+- `lossless_gemv(x, *form)` / `lossless_gemv_out`: the same sums, bit for bit, with the weight in the
+  lossless resident form (lossless.py: ~70 % of bf16's bytes, decoded inside the loop); `lossless_decode`
+  and `lossless_rows` give the matrix or some of its rows back.
 - `rms_norm`, `rope`, `gated_act`, `paged_decode_one` and `paged_decode`: the small ops of a decode step, one
   call each (switched on by model/decode_ops.py); eager only (a compiled graph fuses the torch ops itself),
   so they have no fakes. The paged attention reads a bf16 cache or an int8 / float8 one with its scales
   where it lies (kv_codes.h); `kv_write` stores a step's K or V in either, quantized as quant/kv.py does.
   `mla_decode`: latent attention's absorbed decode (attention/mla.py); `packed_attention`: a packed
   encoder batch's attention (model/bert.py).
+- `lora_add`: a step's LoRA deltas on one module, every adapter's tokens in one call (lora.cpp;
+  engine/lora/apply.py); eager only, like the small ops.
 - `torch.classes.edgeinfer_cpu.MoeBlock`: a sparse MoE block in one call (moe_block.cpp; model/moe.py).
 - `torch.classes.edgeinfer_cpu.DenseDecodeStep`: every layer of a dense model's one-sequence decode step in
   one call, through the kernels above (dense_step.cpp; built by model/fused_decode.py).
@@ -52,12 +57,14 @@ _SOURCE_NAMES = (
     "cpu_gemv.cpp",
     "bf16_gemv.cpp",
     "bf16_tiles.cpp",
+    "lossless_gemv.cpp",
     "decode_ops.cpp",
     "kv_write.cpp",
     "mla_decode.cpp",
     "moe_block.cpp",
     "dense_step.cpp",
     "encoder_attention.cpp",
+    "lora.cpp",
 )
 _SOURCES = [Path(__file__).with_name(name) for name in _SOURCE_NAMES]
 # int8 inputs of up to this many rows take `int8_gemv` (wider ones `_int_mm`): at a few rows it runs at the
@@ -229,6 +236,14 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("edgeinfer_cpu::bf16_gemv_out")
     def _bf16_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        return None
+
+    @torch.library.register_fake("edgeinfer_cpu::lossless_gemv")
+    def _lossless(x: torch.Tensor, sign_mantissa: torch.Tensor, *form: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], sign_mantissa.shape[0]))
+
+    @torch.library.register_fake("edgeinfer_cpu::lossless_gemv_out")
+    def _lossless_out(x: torch.Tensor, *form_and_out: torch.Tensor) -> None:
         return None
 
     @torch.library.register_fake("edgeinfer_cpu::int4_gemv")

@@ -48,8 +48,9 @@ struct Product {
   const uint16_t* x;
   const uint16_t* w;
   int64_t m, n, k;
-  float* out_f32;  // one of the two outputs, [m, n]
+  float* out_f32;  // one of the two outputs, [m, n] in rows `ldo` apart
   at::BFloat16* out_bf16;
+  int64_t ldo;
 };
 
 // A tile's sums (lane m * nb_tile + n: activation row m0 + m, weight row n0 + n) into rows [m0, m0 + mb) x
@@ -57,7 +58,7 @@ struct Product {
 EDGEINFER_TARGET_BF16 inline void store(const Product& p, __m512 sums, int64_t m0, int64_t mb, int64_t n0,
                                         int64_t nb, int nb_tile) {
   for (int64_t m = 0; m < mb; ++m) {
-    const int64_t at = (m0 + m) * p.n + n0 - m * nb_tile;
+    const int64_t at = (m0 + m) * p.ldo + n0 - m * nb_tile;
     const __mmask16 lanes = static_cast<__mmask16>(((1u << nb) - 1) << (m * nb_tile));
     if (p.out_f32)
       _mm512_mask_storeu_ps(p.out_f32 + at, lanes, sums);
@@ -181,12 +182,18 @@ void bf16_tiles_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
                   w.size(0),
                   w.size(1),
                   out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr,
-                  out.scalar_type() == at::kFloat ? nullptr : out.data_ptr<at::BFloat16>()};
+                  out.scalar_type() == at::kFloat ? nullptr : out.data_ptr<at::BFloat16>(),
+                  w.size(0)};
   const int64_t blocks = (p.n + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kBlock * p.k * 2));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) block(p, b * kBlock, std::min(p.n, (b + 1) * kBlock));
   });
+}
+
+void bf16_tiles_rows(const uint16_t* x, int64_t m, const uint16_t* w, int64_t n, int64_t k, float* out_f32,
+                     at::BFloat16* out_bf16, int64_t ldo) {
+  block(Product{x, w, m, n, k, out_f32, out_bf16, ldo}, 0, n);
 }
 
 }  // namespace edgeinfer_cpu

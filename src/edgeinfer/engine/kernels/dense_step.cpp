@@ -50,8 +50,9 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 }
 
 // act(gate) * up: the kernel for every size (it calls ATen's activation, as the torch form does).
-// The step's inputs every layer reads: the rope tables, the new tokens' cache slots [T], the block
-// tables [T, n] and context lengths [T] of the sequences (one new token each).
+// The step's inputs every layer reads: the rope tables, the new tokens' cache slots [G, T] and the
+// sequences' block tables [G, T, n] in each of the G KV groups (a layer reads its own group's row), and the
+// sequences' context lengths [T] (one new token each).
 struct StepInputs {
   const std::vector<at::Tensor>& cos;
   const std::vector<at::Tensor>& sin;
@@ -101,9 +102,10 @@ struct Mla {
     const at::Tensor q_pe = rotate(qs.narrow(2, nope, rope_dim), cos, sin, rope_dim, interleaved, lim);
     const at::Tensor k_pe = rotate(ckv.narrow(1, rank, rope_dim).unsqueeze(1), cos, sin, rope_dim, interleaved, lim);
     const at::Tensor latent = at::cat({kv_a_norm(ckv.narrow(1, 0, rank), lim), k_pe.squeeze(1)}, 1);
-    latent_pool.view({-1, rank + rope_dim}).index_copy_(0, in.slots, latent);
-    const at::Tensor attn = edgeinfer_cpu::mla_decode(qs.narrow(2, 0, nope), q_pe, latent_pool, kv_b, in.block_tables,
-                                                      in.ctx_lens, scale);
+    // latent attention has no window: its model has one KV group
+    latent_pool.view({-1, rank + rope_dim}).index_copy_(0, in.slots.select(0, 0), latent);
+    const at::Tensor attn = edgeinfer_cpu::mla_decode(qs.narrow(2, 0, nope), q_pe, latent_pool, kv_b,
+                                                      in.block_tables.select(0, 0), in.ctx_lens, scale);
     return o(attn.reshape({t, heads * v}), lim);
   }
 };
@@ -116,7 +118,7 @@ struct Layer {
   c10::intrusive_ptr<edgeinfer_cpu::MoeBlock> moe;  // set: the feed-forward is this sparse MoE block
   std::shared_ptr<Mla> mla;                          // set: the attention is latent (no GQA fields)
   bool sandwich = false, qk_norm = false, interleaved = false;
-  int64_t heads = 0, kv_heads = 0, head_dim = 0, rope = 0, rotary_dim = 0, window = 0, act = 0;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, rope = 0, rotary_dim = 0, window = 0, act = 0, group = 0;
   double scale = 1;
   at::Tensor k_pool, v_pool, k_scales, v_scales;  // scales: an int8 / float8 cache's (kv_codes.h)
 
@@ -143,11 +145,11 @@ struct Layer {
     const at::Tensor &cos = in.cos[rope], &sin = in.sin[rope];
     q = rotate(q, cos, sin, rotary_dim, interleaved, lim);
     k = rotate(k, cos, sin, rotary_dim, interleaved, lim);
-    const at::Tensor slots = in.slots.contiguous();
+    const at::Tensor slots = in.slots.select(0, group).contiguous();
     edgeinfer_cpu::write_kv(k_pool, k_scales, slots.data_ptr<int64_t>(), t, k);
     edgeinfer_cpu::write_kv(v_pool, v_scales, slots.data_ptr<int64_t>(), t, v);
-    const at::Tensor attn = edgeinfer_cpu::paged_decode(q, k_pool, v_pool, in.block_tables, in.ctx_lens, scale, window,
-                                                        optional(k_scales), optional(v_scales));
+    const at::Tensor attn = edgeinfer_cpu::paged_decode(q, k_pool, v_pool, in.block_tables.select(0, group), in.ctx_lens,
+                                                        scale, window, optional(k_scales), optional(v_scales));
     const at::Tensor h = o(attn.reshape({t, q_size}), lim);
     if (sandwich) {
       const at::Tensor mid = x + post_attention(h, lim);
@@ -170,7 +172,8 @@ class DenseDecodeStep : public torch::CustomClassHolder {
   // optional `<name>.bias`), the layer's `k_pool` and `v_pool` (bf16, or int8 / float8 codes with their
   // `k_scales` and `v_scales`). Numbers: `<norm>.eps`, `<norm>.round_first`, `<linear>.group` for int4,
   // `heads`, `kv_heads`, `head_dim`, `rope` (which of `run`'s tables), `rotary_dim`, `interleaved`,
-  // `scale`, `window` (0: global), `act` (gated_act's code).
+  // `scale`, `window` (0: global), `act` (gated_act's code), `group` (the layer's KV group: which row of
+  // `run`'s slots and block tables it reads).
   void add_layer(Tensors t, Numbers c) { layers_.push_back(make_layer(t, c, {})); }
 
   // A layer whose feed-forward is a sparse MoE block: as add_layer, without `gate_up` and `down`.
@@ -180,17 +183,26 @@ class DenseDecodeStep : public torch::CustomClassHolder {
 
   // x [T, hidden] bf16 (the scaled embeddings of T decoding sequences' new tokens) -> the last layer's
   // output; `cos[i]` / `sin[i]`: the step's bf16 tables of rope i, as RotaryEmbedding gathers them;
-  // `slots` [T]: the new tokens' flat cache slots; `block_tables` [T, n] and `ctx_lens` [T] (int64): the
-  // sequences' blocks and lengths with the new token.
+  // `slots` [G, T]: the new tokens' flat cache slots in each KV group; `block_tables` [G, T, n] and
+  // `ctx_lens` [T] (int64): the sequences' blocks in each group and their lengths with the new token.
+  // `stop`: an int32 flag another thread may set while the step runs; set before a layer, the step ends
+  // there and returns no rows (its caller drops the step: runner/interrupt.py).
   at::Tensor run(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor slots,
-                 at::Tensor block_tables, at::Tensor ctx_lens) {
+                 at::Tensor block_tables, at::Tensor ctx_lens, std::optional<at::Tensor> stop) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "DenseDecodeStep.run: x must be bf16 [T, hidden]");
     TORCH_CHECK(cos.size() == sin.size(), "DenseDecodeStep.run: one sin table per cos table");
-    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == x.size(0),
-                "DenseDecodeStep.run: slots must be int64 [T]");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(1) == x.size(0),
+                "DenseDecodeStep.run: slots must be int64 [G, T]");
+    TORCH_CHECK(block_tables.dim() == 3 && block_tables.size(0) == slots.size(0),
+                "DenseDecodeStep.run: block_tables must be [G, T, n], one table per group of slots");
+    TORCH_CHECK(!stop || (stop->scalar_type() == at::kInt && stop->numel() == 1),
+                "DenseDecodeStep.run: stop must be one int32");
+    const volatile int32_t* stop_flag = stop ? stop->data_ptr<int32_t>() : nullptr;
     const StepInputs in{cos, sin, slots, block_tables, ctx_lens};
     for (Layer& l : layers_) {
+      if (stop_flag != nullptr && *stop_flag != 0) return x.new_empty({0, x.size(1)});
       TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()), "DenseDecodeStep.run: no rope table ", l.rope);
+      TORCH_CHECK(l.group < slots.size(0), "DenseDecodeStep.run: no slots for KV group ", l.group);
       x = l.forward(x, in, limits_);
     }
     return x;
@@ -229,7 +241,7 @@ class DenseDecodeStep : public torch::CustomClassHolder {
     }
     for (auto [field, name] : {std::pair{&l.heads, "heads"}, {&l.kv_heads, "kv_heads"}, {&l.head_dim, "head_dim"},
                                {&l.rope, "rope"}, {&l.rotary_dim, "rotary_dim"}, {&l.window, "window"},
-                               {&l.act, "act"}})
+                               {&l.act, "act"}, {&l.group, "group"}})
       *field = static_cast<int64_t>(number(c, name));
     l.interleaved = number(c, "interleaved") != 0;
     l.scale = number(c, "scale");

@@ -31,10 +31,12 @@ struct Limits {
   int64_t gemv_rows = 0, max_elements = 0;
 };
 
-// y = x @ W^T (+ b), as GemvLinear (a bf16 weight: bf16_gemv up to `gemv_rows` rows, else ATen's linear)
+// y = x @ W^T (+ b), as GemvLinear (a bf16 weight: bf16_gemv up to `gemv_rows` rows, else ATen's linear),
+// LosslessLinear (the same in the lossless form: lossless_gemv, else ATen's linear on the decoded weight)
 // and QuantLinear's cpu_w4a8 kernel (int4 codes: int4_gemv) multiply.
 struct Linear {
   at::Tensor weight, codes, scales, zero_terms, bias;
+  at::Tensor sign_mantissa, planes, escapes, offsets, table;  // a lossless form (kernels/lossless.py)
   int64_t group = 0;
 
   Linear() = default;
@@ -42,6 +44,12 @@ struct Linear {
     if (t.contains(name + ".weight")) {
       weight = t.at(name + ".weight");
       TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2, name, ": weight must be bf16 [N, K]");
+    } else if (t.contains(name + ".planes")) {
+      sign_mantissa = get(t, name + ".sign_mantissa");
+      planes = get(t, name + ".planes");
+      escapes = get(t, name + ".escapes");
+      offsets = get(t, name + ".offsets");
+      table = get(t, name + ".table");
     } else {
       codes = get(t, name + ".codes");
       scales = get(t, name + ".scales");
@@ -52,9 +60,18 @@ struct Linear {
   }
 
   at::Tensor operator()(const at::Tensor& x, const Limits& lim) const {
+    if (planes.defined()) return lossless(x, lim);
     if (weight.defined() && x.size(0) > lim.gemv_rows) return at::linear(x, weight, bias);
     at::Tensor y = weight.defined() ? edgeinfer_cpu::bf16_gemv(x, weight)
                                     : edgeinfer_cpu::int4_gemv(x.contiguous(), codes, scales, zero_terms, group);
+    return bias.defined() ? y + bias.to(y.scalar_type()) : y;
+  }
+
+  at::Tensor lossless(const at::Tensor& x, const Limits& lim) const {
+    if (x.size(0) > lim.gemv_rows)
+      return at::linear(x, edgeinfer_cpu::lossless_decode(x.size(1), sign_mantissa, planes, escapes, offsets, table),
+                        bias);
+    const at::Tensor y = edgeinfer_cpu::lossless_gemv(x, sign_mantissa, planes, escapes, offsets, table);
     return bias.defined() ? y + bias.to(y.scalar_type()) : y;
   }
 };

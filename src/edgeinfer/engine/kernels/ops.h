@@ -40,6 +40,19 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w);
 
 // bf16_tiles.cpp (x86; AVX512-BF16 only)
 void bf16_tiles_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
+// The same sums for weight rows w [n, k] (raw bf16 bits) alone, on the calling thread, into `out_f32` or
+// `out_bf16` [m, n] whose rows lie `ldo` apart (lossless_gemv.cpp: a block of rows it has decoded).
+void bf16_tiles_rows(const uint16_t* x, int64_t m, const uint16_t* w, int64_t n, int64_t k, float* out_f32,
+                     at::BFloat16* out_bf16, int64_t ldo);
+
+// lossless_gemv.cpp: a bf16 weight in the lossless resident form (kernels/lossless.py), read where it lies
+void lossless_gemv_out(const at::Tensor& x, const at::Tensor& sign_mantissa, const at::Tensor& planes,
+                       const at::Tensor& escapes, const at::Tensor& offsets, const at::Tensor& table,
+                       at::Tensor& out);
+at::Tensor lossless_gemv(const at::Tensor& x, const at::Tensor& sign_mantissa, const at::Tensor& planes,
+                         const at::Tensor& escapes, const at::Tensor& offsets, const at::Tensor& table);
+at::Tensor lossless_decode(int64_t k, const at::Tensor& sign_mantissa, const at::Tensor& planes,
+                           const at::Tensor& escapes, const at::Tensor& offsets, const at::Tensor& table);
 
 // cpu_gemv.cpp
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,

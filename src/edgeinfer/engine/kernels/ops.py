@@ -68,6 +68,60 @@ def bf16_gemv_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     torch.ops.edgeinfer_cpu.bf16_gemv_out(x, w, out)
 
 
+def lossless_gemv(
+    x: torch.Tensor,
+    sign_mantissa: torch.Tensor,
+    planes: torch.Tensor,
+    escapes: torch.Tensor,
+    offsets: torch.Tensor,
+    table: torch.Tensor,
+) -> torch.Tensor:
+    """`bf16_gemv` on a weight in the lossless form (kernels/lossless.py): the same sums -> bf16 `[M, N]`."""
+    _ensure_loaded()
+    return torch.ops.edgeinfer_cpu.lossless_gemv(x, sign_mantissa, planes, escapes, offsets, table)
+
+
+def lossless_gemv_out(
+    x: torch.Tensor,
+    sign_mantissa: torch.Tensor,
+    planes: torch.Tensor,
+    escapes: torch.Tensor,
+    offsets: torch.Tensor,
+    table: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """`lossless_gemv` written into `out` `[M, N]` (fp32: the sums unrounded, or bf16)."""
+    _ensure_loaded()
+    torch.ops.edgeinfer_cpu.lossless_gemv_out(x, sign_mantissa, planes, escapes, offsets, table, out)
+
+
+def lossless_decode(
+    k: int,
+    sign_mantissa: torch.Tensor,
+    planes: torch.Tensor,
+    escapes: torch.Tensor,
+    offsets: torch.Tensor,
+    table: torch.Tensor,
+) -> torch.Tensor:
+    """The bf16 matrix `[N, k]` of a lossless form, decoded whole."""
+    _ensure_loaded()
+    return torch.ops.edgeinfer_cpu.lossless_decode(k, sign_mantissa, planes, escapes, offsets, table)
+
+
+def lossless_rows(
+    ids: torch.Tensor,
+    k: int,
+    sign_mantissa: torch.Tensor,
+    planes: torch.Tensor,
+    escapes: torch.Tensor,
+    offsets: torch.Tensor,
+    table: torch.Tensor,
+) -> torch.Tensor:
+    """Rows `ids` of a lossless form's bf16 matrix -> `[*ids.shape, k]` (an embedding lookup)."""
+    _ensure_loaded()
+    return torch.ops.edgeinfer_cpu.lossless_rows(ids, k, sign_mantissa, planes, escapes, offsets, table)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool) -> torch.Tensor:
     """RMSNorm of contiguous bf16 rows; `round_first`: Llama's rounding, else Gemma's fp32 `1 + w` scale."""
     _ensure_loaded()
@@ -154,6 +208,20 @@ def packed_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, scale: float) 
     """Bidirectional attention of a packed encoder batch `[T, 3, H, D]`, each sequence over its own tokens."""
     _ensure_loaded()
     return torch.ops.edgeinfer_cpu.packed_attention(qkv, cu_seqlens, scale)
+
+
+def lora_add(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    plan: torch.Tensor,
+) -> None:
+    """Each adapter group's LoRA delta added to `out` `[T, N]` in place, from `x` `[T, in]` at its `rows`
+    (bf16 or fp32; the layout of `a`, `b` and `plan`: lora.cpp, engine/lora/weights.py)."""
+    _ensure_loaded()
+    torch.ops.edgeinfer_cpu.lora_add(out, x, rows, a, b, plan)
 
 
 def dense_decode_step(gemv_rows: int, max_elements: int) -> torch.ScriptObject:

@@ -1,39 +1,42 @@
 """Adding the adapters' deltas to one step's flat batch.
 
 Each targeted linear module gets a forward hook (installed while any adapter is resident). For a step,
-`begin` groups the flat batch's rows by adapter (the base's rows are in no group); the hook then adds,
-for each adapter of the step, `x[rows] @ A.T @ B.T * scale` to the module's output at those rows, beside
-whatever product the base runs (bf16 GEMV, int8/int4 kernels, torch): a segmented LoRA product, one pair of
-small matmuls per adapter and module whatever the number of its requests. The fused C++ decode step and
+`begin` takes the flat batch's rows grouped by adapter (the base's rows are in no group) and lays out
+each module's work once (step.py); each hook then adds every adapter's `x[rows] @ A.T @ B.T * scale` to
+the module's output at its rows in one `lora_add` call (kernels/lora.cpp), beside whatever product the
+base runs (bf16 GEMV, int8/int4 kernels, torch): a segmented LoRA product. The fused C++ decode step and
 a compiled graph never call the modules, so the runner runs steps with adapter rows eagerly."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from edgeinfer.engine.lora.weights import LoraSlice, LoraWeights
+from edgeinfer.engine import kernels
+from edgeinfer.engine.kernels import ops
+from edgeinfer.engine.lora.step import Group, StepPlan, plan_step, torch_delta
+from edgeinfer.engine.lora.weights import LoraWeights
 
-
-@dataclass(frozen=True)
-class StepGroup:
-    """One adapter's rows of the step: a slice when they are contiguous (no gather), else an index."""
-
-    weights: LoraWeights
-    rows: slice | torch.Tensor
+log = logging.getLogger(__name__)
+_Key = tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
 
 
 class LoraRuntime:
-    """The hooks on a model's targeted modules and the current step's groups."""
+    """The hooks on a model's targeted modules and the current step's plan."""
 
-    def __init__(self, modules: dict[tuple[int, str], nn.Module]) -> None:
+    def __init__(self, modules: dict[tuple[int, str], nn.Module], dtype: torch.dtype, kernel: bool) -> None:
         self._modules = modules
         self._handles: list[RemovableHandle] = []
-        self.groups: list[StepGroup] = []
+        self.plan: StepPlan | None = None
+        self._dtype = dtype  # the adapters': inputs and outputs of another take the torch ops
+        self._kernel = kernel
+        # the last plan, by the identity of its adapters and their rows (a decode step's is usually its
+        # last step's), with the adapters themselves: held, their ids cannot name another adapter
+        self._last: tuple[_Key, list[LoraWeights], StepPlan] | None = None
 
     @property
     def installed(self) -> bool:
@@ -47,54 +50,44 @@ class LoraRuntime:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self.groups = []
+        self.plan = self._last = None
 
-    def begin(self, rows_by_adapter: dict[str, tuple[LoraWeights, list[tuple[int, int]]]]) -> bool:
-        """Set the step's groups from each adapter's row ranges; False when no row has an adapter."""
-        self.groups = [StepGroup(w, _rows(ranges)) for w, ranges in rows_by_adapter.values()]
-        return bool(self.groups)
+    def begin(self, rows_by_adapter: dict[str, Group]) -> bool:
+        """Set the step's plan from each adapter's row ranges; False when no row has an adapter."""
+        groups = list(rows_by_adapter.values())
+        if not groups:
+            self.plan = self._last = None  # nor adapter weights held past their last step
+            return False
+        key = tuple((id(w), tuple(ranges)) for w, ranges in groups)
+        if self._last is None or self._last[0] != key:
+            self._last = (key, [w for w, _ in groups], plan_step(groups))
+        self.plan = self._last[2]
+        return True
 
-    def _hook(self, key: tuple[int, str]) -> Callable[..., torch.Tensor | None]:
+    def _hook(self, key: tuple[int, str]) -> Callable[..., None]:
         # `out` is the module's own fresh result (every linear of ours returns a new tensor), so the
         # deltas are added to it in place
-        def hook(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor | None:
-            if not self.groups:
-                return None
+        def hook(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+            plan = self.plan
+            step = plan.modules.get(key) if plan is not None else None
+            if step is None:
+                return
             x = args[0]
-            for g in self.groups:
-                lora = g.weights.modules.get(key)
-                if lora is not None:
-                    _add_delta(out, x, g.rows, lora.a, lora.slices)
-            return out
+            if self._kernel and x.dtype == out.dtype == self._dtype:
+                ops.lora_add(out, x, plan.rows, step.a, step.b, step.plan)
+            else:
+                torch_delta(out, x, plan.rows, step)
 
         return hook
 
 
-def _add_delta(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    rows: slice | torch.Tensor,
-    a: torch.Tensor,
-    slices: tuple[LoraSlice, ...],
-) -> None:
-    if isinstance(rows, torch.Tensor) and rows.device != x.device:
-        rows = rows.to(x.device)
-    h = x[rows].to(a.dtype) @ a.T  # [n, sum of ranks]
-    for s in slices:
-        delta = (h[:, s.r0 : s.r1] @ s.b.T).to(out.dtype)
-        if isinstance(rows, slice):
-            out[rows, s.lo : s.hi].add_(delta)
-        else:
-            out[:, s.lo : s.hi].index_add_(0, rows, delta)
-
-
-def _rows(ranges: Iterable[tuple[int, int]]) -> slice | torch.Tensor:
-    merged: list[list[int]] = []
-    for start, end in sorted(ranges):
-        if merged and merged[-1][1] == start:
-            merged[-1][1] = end
-        else:
-            merged.append([start, end])
-    if len(merged) == 1:
-        return slice(merged[0][0], merged[0][1])
-    return torch.tensor([r for start, end in merged for r in range(start, end)], dtype=torch.long)
+def kernel_available(model: nn.Module) -> bool:
+    """Whether `lora_add` serves this model: our CPU kernels build here and the model runs on the CPU."""
+    if next(model.parameters()).device.type != "cpu":
+        return False
+    try:
+        kernels.load()
+    except kernels.KernelBuildError as e:
+        log.info("LoRA deltas through torch ops: %s", e)
+        return False
+    return True

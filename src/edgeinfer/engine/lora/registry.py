@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from edgeinfer.engine.errors import EngineInputError
-from edgeinfer.engine.lora.apply import LoraRuntime
+from edgeinfer.engine.lora.apply import LoraRuntime, kernel_available
 from edgeinfer.engine.lora.config import AdapterError
 from edgeinfer.engine.lora.targets import BaseTargets, base_targets
 from edgeinfer.engine.lora.weights import LoraWeights, load_adapter
@@ -176,7 +176,8 @@ class AdapterRegistry:
 
     def _runtime(self) -> LoraRuntime:
         if self.runtime is None:
-            self.runtime = LoraRuntime(self._base().modules(self._model))
+            modules = self._base().modules(self._model)
+            self.runtime = LoraRuntime(modules, self.dtype, kernel_available(self._model))
         return self.runtime
 
     def _evict(self, keep: str | None = None) -> None:

@@ -23,24 +23,65 @@ _KEY = re.compile(
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
 
 
+# Output columns per block of a module's B (kernels/lora.cpp: kBlock).
+BLOCK = 16
+
+
 @dataclass(frozen=True)
 class LoraSlice:
-    """One targeted projection inside a module: `out[:, lo:hi] += h[:, r0:r1] @ b.T`."""
+    """One targeted projection inside a module: `out[:, lo:hi] += h[:, r0:r0 + rank] @ B.T`, its B's
+    columns in `b` from block `block` on."""
 
     lo: int
     hi: int
     r0: int
-    r1: int
-    b: torch.Tensor  # [hi - lo, r], PEFT's scale folded in
+    block: int
 
 
 @dataclass(frozen=True)
 class ModuleLora:
     """The adapter on one module of ours: the A of every targeted projection stacked, so the module's
-    input is multiplied once (`h = x @ a.T`), then each projection's B on its columns of `h`."""
+    input is multiplied once (`h = x @ a.T`), and their B laid out for the kernel (kernels/lora.cpp):
+    transposed and cut into blocks of BLOCK output columns, each block's `rank x BLOCK` values together,
+    so that one pass over `b` reads it start to end. Each projection starts a block; zeros pad its last."""
 
     a: torch.Tensor  # [sum of ranks, in_features]
+    b: torch.Tensor  # [blocks, rank, BLOCK], PEFT's scale folded in
     slices: tuple[LoraSlice, ...]
+
+    @property
+    def rank(self) -> int:
+        return self.b.shape[1]
+
+    def bt(self, s: LoraSlice) -> torch.Tensor:
+        """`[rank, hi - lo]`: the slice's B, transposed (a copy, for the torch ops)."""
+        blocks = self.b[s.block : s.block + _blocks(s.hi - s.lo)]
+        return blocks.permute(1, 0, 2).reshape(self.rank, -1)[:, : s.hi - s.lo]
+
+    def plan(self) -> list[int]:
+        """The slices as `lora_add`'s plan lists them: their count, then lo, hi, r0, block of each."""
+        return [len(self.slices), *(v for s in self.slices for v in (s.lo, s.hi, s.r0, s.block))]
+
+
+def module_lora(
+    projections: list[tuple[int, int, torch.Tensor, torch.Tensor]], scale: float, dtype: torch.dtype
+) -> ModuleLora:
+    """The layout of a module's projections, each as (lo, hi, PEFT's A [r, in], B [hi - lo, r])."""
+    slices, blocks, r0, block = [], [], 0, 0
+    for lo, hi, a, b in projections:
+        n = _blocks(hi - lo)
+        # the scale folded into B in fp32, before any rounding to the serving dtype
+        padded = torch.zeros(n * BLOCK, b.shape[1])
+        padded[: hi - lo] = b.float() * scale
+        blocks.append(padded.reshape(n, BLOCK, -1).transpose(1, 2))
+        slices.append(LoraSlice(lo, hi, r0, block))
+        r0, block = r0 + a.shape[0], block + n
+    a = torch.cat([a.float() for _, _, a, _ in projections])
+    return ModuleLora(a.to(dtype).contiguous(), torch.cat(blocks).to(dtype).contiguous(), tuple(slices))
+
+
+def _blocks(columns: int) -> int:
+    return -(-columns // BLOCK)
 
 
 @dataclass(frozen=True)
@@ -69,7 +110,7 @@ def load_adapter(
         raise AdapterError(f"{WEIGHTS_FILE} is {size} bytes, over the limit of {max_bytes}")
     pairs = _read_pairs(directory / WEIGHTS_FILE, config, targets)
     modules = _lay_out(pairs, targets, config.scale, dtype)
-    nbytes = sum(t.numel() * t.element_size() for m in modules.values() for t in _tensors(m))
+    nbytes = sum(t.numel() * t.element_size() for m in modules.values() for t in (m.a, m.b))
     return LoraWeights(name, config, _fingerprint(directory), modules, nbytes)
 
 
@@ -134,20 +175,12 @@ def _lay_out(
         by_module.setdefault((layer, targets.projections[proj].module), []).append((proj, pair))
     out = {}
     for key, items in by_module.items():
-        slices, r0 = [], 0
+        projections = []
         for proj, pair in items:
-            t, r = targets.projections[proj], pair["A"].shape[0]
-            # the scale folded into B in fp32, before any rounding to the serving dtype
-            b = (pair["B"].float() * scale).to(dtype).contiguous()
-            slices.append(LoraSlice(t.lo, t.hi, r0, r0 + r, b))
-            r0 += r
-        a = torch.cat([pair["A"].float() for _, pair in items]).to(dtype).contiguous()
-        out[key] = ModuleLora(a, tuple(slices))
+            t = targets.projections[proj]
+            projections.append((t.lo, t.hi, pair["A"], pair["B"]))
+        out[key] = module_lora(projections, scale, dtype)
     return out
-
-
-def _tensors(m: ModuleLora) -> list[torch.Tensor]:
-    return [m.a, *(s.b for s in m.slices)]
 
 
 def _fingerprint(directory: Path) -> str:

@@ -17,6 +17,7 @@ from torch import nn
 
 from edgeinfer.engine.kernels.bf16 import GemvLinear
 from edgeinfer.engine.kernels.limits import KernelLimits
+from edgeinfer.engine.kernels.lossless import LosslessLinear
 from edgeinfer.engine.model.layers.mlp import GatedMLP
 from edgeinfer.engine.model.layers.norm import RMSNorm
 from edgeinfer.engine.model.layers.rotary import RotaryEmbedding
@@ -30,7 +31,7 @@ def use_decode_ops(model: nn.Module, limits: KernelLimits) -> None:
     for its sparse MoE blocks, within this CPU's `limits`, which its bf16 linear layers take too (call
     after `kernels.load()`)."""
     for module in model.modules():
-        if isinstance(module, GemvLinear):
+        if isinstance(module, (GemvLinear, LosslessLinear)):
             module.max_rows = limits.bf16_gemv_rows
         elif isinstance(module, _MODULES):
             module.kernel_elements = limits.decode_op_elements

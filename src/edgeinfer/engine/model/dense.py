@@ -127,7 +127,7 @@ class DenseCausalLM(nn.Module):
     @property
     def kv_spec(self) -> KVSpec:
         a = self.args
-        return KVSpec(a.num_layers, a.num_kv_heads, a.head_dim, a.num_kv_heads, a.head_dim)
+        return KVSpec(a.num_layers, a.num_kv_heads, a.head_dim, a.num_kv_heads, a.head_dim, a.windows)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend

@@ -47,14 +47,24 @@ class FusedDecode:
         self.step = step
         self.ropes = ropes
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        stop: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The step's hidden states; None where `stop` (an int32 flag another thread may set) was set
+        before one of the layers, which ends the step there (runner/interrupt.py)."""
         model = self.model
         x = model.embed(ids) if isinstance(model, DenseCausalLM) else model.model.embed_tokens(ids)
         tables = [rope.tables(positions, x.dtype) for rope in self.ropes]
         cos, sin = [c for c, _ in tables], [s for _, s in tables]
-        blocks, ctx = meta.block_tables[: meta.num_seqs], meta.decode_context_lens(x.device)
-        x = self.step.run(x, cos, sin, meta.slot_mapping, blocks, ctx)
-        return self.model.model.norm(x)
+        # every KV group's slots [G, T] and tables [G, T, n]: each layer reads its own group's
+        slots = meta.slot_mapping.view(-1, meta.slot_mapping.shape[-1])
+        blocks = meta.block_tables.view(-1, *meta.block_tables.shape[-2:])[:, : meta.num_seqs]
+        x = self.step.run(x, cos, sin, slots, blocks, meta.decode_context_lens(x.device), stop)
+        return None if x.shape[0] == 0 else self.model.model.norm(x)
 
 
 def fused_decode(model: nn.Module, storage: KVCacheStorage, limits: KernelLimits) -> FusedDecode | None:
@@ -137,6 +147,7 @@ def _gqa(attn: SelfAttention, storage: KVCacheStorage, index: int) -> Form | Non
         "head_dim": shape.head_dim,
         "scale": attn.scale,
         "window": shape.window or 0,
+        "group": storage.group_of(index),
     }
     return parts[0] | tensors, parts[1] | numbers
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from edgeinfer.engine.kernels.bf16 import GemvLinear
+from edgeinfer.engine.kernels.lossless import LosslessLinear, form_of
 from edgeinfer.engine.quant.experts import QuantizedExperts
 from edgeinfer.engine.quant.layers import QuantLinear
 
@@ -14,10 +15,12 @@ Form = tuple[dict[str, torch.Tensor], dict[str, float]]
 
 
 def linear_form(linear: nn.Module) -> Form | None:
-    """A linear as `bf16_gemv` or `int4_gemv` multiplies it one row at a time, as its forward would."""
+    """A linear as `bf16_gemv`, `lossless_gemv` or `int4_gemv` multiplies it, as its forward would."""
     bias = {"bias": linear.bias} if getattr(linear, "bias", None) is not None else {}
     if isinstance(linear, GemvLinear) and linear.weight.dtype == torch.bfloat16:
         return {"weight": linear.weight.detach()} | bias, {}
+    if isinstance(linear, LosslessLinear):
+        return form_of(linear).tensors() | bias, {}
     if isinstance(linear, QuantLinear) and linear.kernel == "cpu_w4a8":
         t = linear.prepared().tensors
         names = ("codes", "scales", "zero_terms")

@@ -96,7 +96,7 @@ class MoeCausalLM(nn.Module):
         a, n = self.args.attention, self.args.num_layers
         if isinstance(a, MLAShape):
             return KVSpec(n, 1, a.kv_lora_rank + a.rope_dim, 0, 0)
-        return KVSpec(n, a.num_kv_heads, a.head_dim, a.num_kv_heads, a.head_dim)
+        return KVSpec(n, a.num_kv_heads, a.head_dim, a.num_kv_heads, a.head_dim, (a.window,) * n)
 
     @property
     def keeps_fp32_weights(self) -> bool:

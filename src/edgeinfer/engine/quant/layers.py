@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from edgeinfer.engine.kernels.bf16 import GemvLinear
+from edgeinfer.engine.kernels.lossless import LosslessLinear
 from edgeinfer.engine.quant.base import (
     PreparedWeight,
     QuantizationError,
@@ -133,7 +134,8 @@ def logits_fp32(head: nn.Module, hidden: torch.Tensor, out: torch.Tensor | None 
     x = hidden.float() if quantized and head.method.quantizes_activations else hidden
     if out is None:
         return head(x).float()
-    return head.forward_into(x, out) if isinstance(head, (QuantLinear, GemvLinear)) else out.copy_(head(x))
+    kernel_heads = (QuantLinear, GemvLinear, LosslessLinear)
+    return head.forward_into(x, out) if isinstance(head, kernel_heads) else out.copy_(head(x))
 
 
 class QuantEmbedding(nn.Module):

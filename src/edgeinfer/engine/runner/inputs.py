@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -38,15 +39,15 @@ class StepInputs:
 
 class _Rows:
     """Per sequence of the attention metadata: where its rows start, how many, its context after the step,
-    and its block table."""
+    and its block table in each KV group."""
 
     def __init__(self) -> None:
         self.starts: list[int] = []
         self.lens: list[int] = []
         self.ctx: list[int] = []
-        self.tables: list[list[int]] = []
+        self.tables: list[list[list[int]]] = []
 
-    def add(self, start: int, n: int, ctx: int, blocks: list[int]) -> None:
+    def add(self, start: int, n: int, ctx: int, blocks: list[list[int]]) -> None:
         self.starts.append(start)
         self.lens.append(n)
         self.ctx.append(ctx)
@@ -82,13 +83,15 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.de
         if c.sampling.prompt_logprobs is not None:
             last = min(c.start + c.num_tokens, c.num_prompt_tokens - 1)  # row p scores prompt token p + 1
             plp_rows[c.request_id] = list(range(row0, row0 + max(0, last - c.start)))
+    num_groups = len(ordered[0].block_ids)
     slots = [
-        c.block_ids[p // block_size] * block_size + p % block_size
+        c.block_ids[g][p // block_size] * block_size + p % block_size
+        for g in range(num_groups)
         for c in ordered
         for p in range(c.start, c.start + c.num_tokens)
     ]
     attn = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=_int64(slots, (num_groups, -1) if num_groups > 1 else (-1,)).to(device),
         query_starts=seqs.starts,
         query_lens=seqs.lens,
         context_lens=seqs.ctx,
@@ -113,8 +116,19 @@ def _row_chunks(c: ScheduledChunk, rows: int) -> list[ScheduledChunk]:
     return [c] + [dataclasses.replace(c, output_token_ids=out + drafts[:j]) for j in range(1, rows)]
 
 
-def _tables(tables: list[list[int]]) -> torch.Tensor:
-    """[sequences, widest] block ids. Padding points at the null block, which no sequence writes: a padded
-    read never sees another's K/V."""
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables], dtype=torch.long)
+def _tables(tables: list[list[list[int]]]) -> torch.Tensor:
+    """[sequences, widest] block ids, or [groups, sequences, widest] with several KV groups. Padding points
+    at the null block, which no sequence writes: a padded read never sees another's K/V."""
+    num_groups, width = len(tables[0]), max(len(t[0]) for t in tables)
+    flat: list[int] = []
+    for g in range(num_groups):
+        for t in tables:
+            flat += t[g]
+            flat += [NULL_BLOCK] * (width - len(t[g]))
+    return _int64(flat, (num_groups, len(tables), width) if num_groups > 1 else (len(tables), width))
+
+
+def _int64(values: list[int], shape: tuple[int, ...]) -> torch.Tensor:
+    """An int64 tensor of `values`: through an array, several times faster than `torch.tensor` on a list,
+    which counts for the block tables of long sequences (one entry per block, per KV group)."""
+    return torch.frombuffer(array("q", values), dtype=torch.long).view(shape)

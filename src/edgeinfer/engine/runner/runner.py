@@ -18,6 +18,7 @@ from edgeinfer.engine.model.decode_ops import use_decode_ops
 from edgeinfer.engine.model.fused_decode import FusedDecode, fused_decode
 from edgeinfer.engine.runner.grammar import GrammarRuntime, LazyGuidanceTokenizer
 from edgeinfer.engine.runner.inputs import StepInputs, build_inputs
+from edgeinfer.engine.runner.interrupt import StepInterrupt, StepInterrupted
 from edgeinfer.engine.runner.sampler import Sampler, top_logprobs
 from edgeinfer.engine.runner.speculative import per_request
 from edgeinfer.engine.scheduler import SchedulerOutput
@@ -87,6 +88,8 @@ class ModelRunner:
         self.num_steps = 0
         self._logits: torch.Tensor | None = None
         self.lora: AdapterRegistry | None = None  # set by the engine
+        self.interrupt = StepInterrupt()  # armed by the engine for a batch-only step
+        self.interrupt.watch(model.model.layers)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -108,7 +111,10 @@ class ModelRunner:
             single_decode = all_decode and inp.attn.num_seqs == 1
             hidden = self.compiled(inp.input_ids, inp.positions, self.backend, single_decode)
         elif self.fused is not None and all_decode:
-            hidden = self.fused(inp.input_ids, inp.positions, inp.attn)
+            fused = self.fused(inp.input_ids, inp.positions, inp.attn, self.interrupt.stop_flag())
+            if fused is None:
+                raise StepInterrupted
+            hidden = fused
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.backend)
         out = RunnerOutput()

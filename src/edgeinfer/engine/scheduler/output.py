@@ -16,12 +16,13 @@ class ScheduledChunk:
     request's last one, appended to `token_ids` (whose first token is then the request's last known one);
     the runner verifies them in this step and returns the accepted ones and the model's next token.
     With `sampling.prompt_logprobs` set, the runner also scores the chunk's prompt rows: row p gives the
-    logprob of prompt token p + 1."""
+    logprob of prompt token p + 1. `block_ids`: the request's block table in each KV group
+    (kv_cache/groups.py)."""
 
     request_id: str
     token_ids: list[int]
     start: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
     sample: bool
     sampling: SamplingParams
     prompt_token_ids: list[int]
@@ -49,6 +50,8 @@ class SchedulerOutput:
     # goes on after those; after a preemption for lack of blocks it waits for the next step)
     yielded: int = 0
     finished: list[str] = field(default_factory=list)  # requests the runner may forget (generators, ...)
+    # batch-lane work only: interactive work arriving meanwhile may stop the step (runner/interrupt.py)
+    interruptible: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -40,9 +40,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from edgeinfer.engine.kv_cache import KVCacheManager
-from edgeinfer.engine.kv_cache.manager import blocks_for
+from edgeinfer.engine.kv_cache.manager import Tables
 from edgeinfer.engine.scheduler.drafting import SpecConfig, make_drafter
 from edgeinfer.engine.scheduler.fairness import FairShare
+from edgeinfer.engine.scheduler.mixed_cost import MixedStepCost
 from edgeinfer.engine.scheduler.output import ScheduledChunk, SchedulerOutput
 from edgeinfer.engine.scheduler.queue import SchedulingPolicy
 from edgeinfer.engine.scheduler.request import Request, RequestStatus
@@ -61,6 +62,9 @@ class SchedulerConfig:
     max_step_ms: float | None = None
     shared_step_ms: float | None = None
     batch_step_ms: float | None = None
+    # the runner drops a batch-only step when interactive work arrives (runner/interrupt.py), so such a
+    # step need not be short to keep a newcomer's wait short
+    interruptible_steps: bool = False
     speculative: SpecConfig | None = None
 
 
@@ -70,9 +74,9 @@ MIN_PREFILL_CHUNK = 16
 FIRST_TOKEN_SHARE = 4
 # A tenant counts as present this long after its last request arrived or ended.
 PRESENCE_S = 1.0
-# Batch steps are kept short (`batch_step_ms`) while interactive requests run or arrived this recently: a
-# node with batch work only (a nightly job) runs it in full steps, and the first interactive request after
-# such a lull waits one such step.
+# Without interruptible steps, batch steps are kept short (`batch_step_ms`) while interactive requests run
+# or arrived this recently: a node with batch work only (a nightly job) runs it in full steps, and the first
+# interactive request after such a lull waits one such step.
 INTERACTIVE_PRESENCE_S = 30.0
 
 
@@ -89,6 +93,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.fair = FairShare()
         self.cost = StepCost()
+        self.mixed_cost = MixedStepCost()  # decode rows and prefill tokens apart
         self._seen: dict[str, float] = {}  # tenant -> when its last request arrived or ended
         self._finished: list[str] = []
         self.drafter = make_drafter(config.speculative)
@@ -113,7 +118,7 @@ class Scheduler:
                 f"the prompt has {n} tokens; this model's context is {self.config.max_model_len} "
                 "tokens including at least one generated token"
             )
-        if blocks_for(n + 1, self.kv.block_size) > self.kv.pool.num_blocks:
+        if self.kv.peak_blocks(n + 1, self.config.max_num_batched_tokens) > self.kv.pool.num_blocks:
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache can ever hold")
         req.enqueue_time = self.clock()
         if not req.is_batch:
@@ -159,9 +164,12 @@ class Scheduler:
         return self.waiting.peek().enqueue_time + self.config.batch_window_ms / 1000.0
 
     # ---- one step --------------------------------------------------------------------------------
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """How long the step just run took; with `max_step_ms` the next budgets follow it."""
+    def observe_step(self, tokens: int, seconds: float, decode_rows: int = 0) -> None:
+        """How long the step just run took (`decode_rows` of its `tokens` were decode rows); with
+        `max_step_ms` the next budgets follow it, and the steps beside interactive decodes follow the model
+        that tells decode rows from prefill tokens (scheduler/mixed_cost.py)."""
         self.cost.observe(tokens, seconds)
+        self.mixed_cost.observe(decode_rows, tokens - decode_rows, seconds)
 
     def step_budget(self) -> int:
         """Tokens this step may schedule: the configured maximum, or what fits in the step-time target."""
@@ -188,8 +196,11 @@ class Scheduler:
         # lengthen the step that brings an interactive request its first token.
         hold = self._interactive_prefill()
         running = [r for r in self.running if not r.is_batch] if hold else self._batch_in_turn()
+        decodes_only = False
         if not hold and (self.num_batch_running() or self.waiting.num_batch):
-            budget = self._batch_budget(budget)
+            budget, decodes_only = self._batch_budget(budget)
+        if decodes_only:  # batch prefill would lengthen the interactive streams' step: it waits for its own
+            running = [r for r in running if not r.is_prefilling]
         # Decodes (one token owed) before partial prefills; sorted() is stable, so arrival order holds.
         ordered = sorted(running, key=lambda r: (r.is_prefilling, r.is_batch))
         prefills = [r for r in ordered if r.is_prefilling]
@@ -199,7 +210,7 @@ class Scheduler:
             if budget == 0:
                 break
             budget -= self._continue(req, budget, scheduled, out)
-        admit = not out.preempted and self._admission_open()
+        admit = not out.preempted and self._admission_open() and not decodes_only
         if self.config.fair_share:
             self._fair_prefill(prefills, budget, admit, scheduled, out, hold)
         elif admit:
@@ -207,7 +218,14 @@ class Scheduler:
         out.finished = self._finished
         self._finished = []
         self._batch_served = sum(self.requests[c.request_id].is_batch for c in out.chunks)
+        out.interruptible = bool(out.chunks) and self._batch_served == len(out.chunks)
         return out
+
+    def abandon(self, out: SchedulerOutput) -> None:
+        """The step `out` did not run (interactive work stopped it): its batch requests have not had
+        their turn. Everything else stands: its requests keep their seats and blocks and are scheduled
+        again from where they were."""
+        self._batch_served = 0
 
     def _continue(self, req: Request, budget: int, scheduled: set[str], out: SchedulerOutput) -> int:
         """Schedule a running request's next tokens; returns how many (0: it was preempted)."""
@@ -307,16 +325,36 @@ class Scheduler:
         interactive = [r for r in self.running if not r.is_batch]
         return interactive + batch[self._batch_turn :] + batch[: self._batch_turn]
 
-    def _batch_budget(self, budget: int) -> int:
-        """A step with batch work takes what fits in `batch_step_ms` (every interactive decode, at least)
-        while interactive traffic is about: an interactive request arriving meanwhile waits about that for
-        the step in flight."""
+    def _batch_budget(self, budget: int) -> tuple[int, bool]:
+        """(tokens, whether the step holds decodes only) for a step with batch work. Beside interactive
+        decodes it holds decodes only, as many as fit in `batch_step_ms` by the line of such steps (every
+        interactive decode, at least): an interactive request arriving meanwhile waits about that for the
+        step in flight, and the running ones' tokens come that often. A batch-only step takes the whole
+        budget where steps are interruptible, else only while no interactive request came of late."""
         if self.config.batch_step_ms is None:
-            return budget
+            return budget, False
+        seconds = self.config.batch_step_ms / 1000.0
         lowest = len(self.running) - self.num_batch_running() + 1
-        if lowest == 1 and self.clock() - self._interactive_at > INTERACTIVE_PRESENCE_S:
-            return budget  # no interactive traffic of late: batch work runs at full throughput
-        return self.cost.tokens_within(self.config.batch_step_ms / 1000.0, min(lowest, budget), budget)
+        if lowest > 1:
+            return self._beside_interactive_decodes(seconds, min(lowest, budget), budget)
+        if self.config.interruptible_steps:
+            # a batch-only step: an interactive arrival stops it at its next layer, so neither the step
+            # time target nor other tenants' presence need keep it short
+            return self.config.max_num_batched_tokens, False
+        if self.clock() - self._interactive_at > INTERACTIVE_PRESENCE_S:
+            return budget, False  # no interactive traffic of late: batch work runs at full throughput
+        return self.cost.tokens_within(seconds, min(lowest, budget), budget), False
+
+    def _beside_interactive_decodes(self, seconds: float, lowest: int, budget: int) -> tuple[int, bool]:
+        """The decodes that fit in `seconds` by the model of decode rows and prefill tokens; where every
+        running decode fits, batch prefill in the time left. Until the model has a fit, every running
+        decode and a short prefill chunk: sized by the line of all steps (whose fixed cost is that of
+        prefill steps) such a step would hold one batch decode, and the next one too."""
+        decodes = sum(not r.is_prefilling for r in self.running)
+        planned = self.mixed_cost.plan(seconds, decodes, lowest, budget)
+        if planned is None:
+            return min(budget, max(lowest, decodes) + MIN_PREFILL_CHUNK), False
+        return planned
 
     def _interactive_prefill(self) -> bool:
         """Whether an interactive request waits or prefills (its first token is owed)."""
@@ -357,8 +395,8 @@ class Scheduler:
             return True
         held: Counter[str] = Counter()
         for r in self.running:
-            held[r.tenant] += len(self.kv.tables.get(r.request_id, ()))
-        mine = held[req.tenant] + blocks_for(req.num_tokens + 1, self.kv.block_size)
+            held[r.tenant] += self.kv.num_held(r.request_id)
+        mine = held[req.tenant] + self.kv.peak_blocks(req.num_tokens + 1, self.config.max_num_batched_tokens)
         candidates = [
             r
             for r in self.running
@@ -393,7 +431,7 @@ class Scheduler:
 
     def _allocate_or_preempt(
         self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput
-    ) -> list[int] | None:
+    ) -> Tables | None:
         while True:
             table = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
             if table is not None:
@@ -451,9 +489,10 @@ class Scheduler:
         """Start (or restart) a waiting request with up to `budget` tokens; None when the KV pool lacks
         blocks for it. The caller takes it off the waiting queue."""
         tokens = req.all_token_ids
-        prefix, cached = [], 0
+        prefix = None
         if req.sampling.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
-            prefix, cached = self.kv.lookup(req.cache_namespace, tokens)
+            prefix = self.kv.lookup(req.cache_namespace, tokens)
+        cached = prefix.num_tokens if prefix is not None else 0
         n = min(len(tokens) - cached, budget)
         table = self.kv.allocate(
             req.request_id, cached + n, prefix, req.cache_namespace, req.tenant, self._prefill_reserve()
@@ -472,21 +511,18 @@ class Scheduler:
     def _prefill_reserve(self) -> int:
         """Blocks the running requests still need to finish their prompts: a new request is admitted only
         beside them, or admitting it would preempt one of them mid-prompt (and then another, in turn)."""
-        bs = self.kv.block_size
-        return sum(
-            max(blocks_for(r.num_tokens, bs) - len(self.kv.tables.get(r.request_id, ())), 0)
-            for r in self.running
-            if r.is_prefilling
-        )
+        chunk = self.config.max_num_batched_tokens
+        prefilling = [r for r in self.running if r.is_prefilling]
+        return sum(self.kv.blocks_short(r.request_id, r.num_tokens, chunk) for r in prefilling)
 
     @staticmethod
-    def _chunk(req: Request, n: int, table: list[int], drafts: list[int] | None = None) -> ScheduledChunk:
+    def _chunk(req: Request, n: int, tables: Tables, drafts: list[int] | None = None) -> ScheduledChunk:
         start = req.num_computed_tokens
         return ScheduledChunk(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + n] + (drafts or []),
             start=start,
-            block_ids=list(table),
+            block_ids=[list(t) for t in tables],
             sample=start + n == req.num_tokens,
             sampling=req.sampling,
             prompt_token_ids=req.prompt_token_ids,
@@ -519,7 +555,7 @@ class Scheduler:
                 self.kv.trim(req.request_id, req.num_tokens)
             else:
                 req.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if reason is not None:
                 self._finish(req, reason)
         return touched

@@ -68,6 +68,7 @@ _REASONS = {
 # Every route: the middleware answers 408 / 413 while reading a body and 500 for a bug; the router 405.
 _ANY = (405, 408, 413, 500)
 _MODEL_RUN = (400, 401, 404, 429, 503, *_ANY)
+_FINETUNES = (400, 401, 404, 503, *_ANY)  # 503: the fleet's store (NATS) out of reach
 _STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/completions"): _MODEL_RUN,
     ("post", "/v1/chat/completions"): _MODEL_RUN,
@@ -77,6 +78,9 @@ _STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("get", "/v1/usage"): (400, 401, *_ANY),
     ("get", "/ready"): (503, *_ANY),
     ("post", "/node/prefetch"): (400, 403, 404, *_ANY),
+    ("post", "/accounts/{account_id}/ai/finetunes"): _FINETUNES,
+    ("get", "/accounts/{account_id}/ai/finetunes"): _FINETUNES,
+    ("post", "/accounts/{account_id}/ai/finetunes/{finetune_id}/finetune-assets"): _FINETUNES,
 }
 # Generation routes answer `stream: true` with server-sent events. Open API 3.1 has no schema for a stream,
 # so `schema` describes one event, as readers of 3.1 (schemathesis among them) take it.
