@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers.kernels import capped_isa
 
 from edgeinfer.engine import kernels
 from edgeinfer.engine.lora.config import AdapterConfig
@@ -46,12 +47,7 @@ def ops():
 @pytest.fixture(params=["scalar", "avx512", "avx512_bf16"])
 def level(request, ops) -> Iterator[str]:
     """Each variant in turn (each only where the CPU has it)."""
-    ops.set_isa_cap(request.param)
-    if ops.isa() != request.param:
-        ops.set_isa_cap(kernels.ISA_LEVELS[-1])
-        pytest.skip(f"no {request.param} here")
-    yield request.param
-    ops.set_isa_cap(kernels.ISA_LEVELS[-1])
+    yield from capped_isa(ops, request.param)
 
 
 SCALE = 0.5

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.fused_step import assert_fused_step_decodes_as_eager, bf16_engine, greedy_answers
+from helpers.kernels import capped_isa
 
 from edgeinfer.engine import kernels
 from edgeinfer.engine.attention.metadata import AttentionMetadata
@@ -20,12 +21,7 @@ BS = 16  # block size
 @pytest.fixture(params=["scalar", "avx2", "avx512", "avx512_bf16"])
 def any_level(request, ops):
     """Each variant of the attention in turn, AVX512-BF16's too (each only where the CPU has it)."""
-    ops.set_isa_cap(request.param)
-    if ops.isa() != request.param:
-        ops.set_isa_cap(kernels.ISA_LEVELS[-1])
-        pytest.skip(f"no {request.param} here")
-    yield request.param
-    ops.set_isa_cap(kernels.ISA_LEVELS[-1])
+    yield from capped_isa(ops, request.param)
 
 
 def _rows(n: int, heads: int, dim: int, seed: int, decades: float = 1) -> torch.Tensor:
