@@ -1,11 +1,12 @@
-"""A batch-only step gives way to interactive work at the next layer boundary (runner/interrupt.py): the
-step is dropped as if it had not run, and run again later with the same result; steps holding interactive
-work are never stopped."""
+"""A batch-only step gives way to interactive work at its next check (runner/interrupt.py: between layers in
+the fused step, before each weighted module in the eager forward): the step is dropped as if it had not run,
+and run again later with the same result; steps holding interactive work are never stopped."""
 
 from __future__ import annotations
 
 import pytest
 from helpers.fused_step import bf16_engine
+from torch import nn
 
 from edgeinfer.engine import kernels
 from edgeinfer.engine.engine import LLMEngine
@@ -21,19 +22,18 @@ def _add(engine: LLMEngine, lane: Lane, tag: str = "") -> None:
         engine.add_request(EngineRequest(f"{lane}{tag}-{i}", prompt, SP, lane=lane))
 
 
-def _drain(engine: LLMEngine, interrupt_at: set[int] = frozenset(), mid_layer: int | None = None):
+def _drain(engine: LLMEngine, interrupt_at: set[int] = frozenset(), inside: nn.Module | None = None):
     """Step to the end; at the steps numbered in `interrupt_at`, interactive work 'arrives': before the
-    step (the flag set) or, with `mid_layer`, while the step's eager forward reaches that layer."""
+    step (the flag set) or, with `inside`, as the step's eager forward reaches that module."""
     answers: dict[str, list[tuple[int, float]]] = {}
     step = 0
     hook = None
     while engine.has_unfinished_requests():
         if step in interrupt_at:
-            if mid_layer is None:
+            if inside is None:
                 engine.runner.interrupt.request()
             else:
-                layer = engine.model.model.layers[mid_layer]
-                hook = layer.register_forward_pre_hook(lambda *_: engine.runner.interrupt.request())
+                hook = inside.register_forward_pre_hook(lambda *_: engine.runner.interrupt.request())
         for out in engine.step():
             answers.setdefault(out.request_id, []).extend((lp.token_id, lp.logprob) for lp in out.logprobs)
         if hook is not None:
@@ -61,10 +61,32 @@ def test_interrupted_batch_steps_give_the_same_answers(engine):
     again = _drain(engine, interrupt_at={0, 3, 4, 7})
     assert engine.num_interrupted_steps == 4
     _add(engine, Lane.BATCH, "mid")
-    mid = _drain(engine, interrupt_at={0}, mid_layer=0)  # the tiny model has two layers
+    mid = _drain(engine, interrupt_at={0}, inside=engine.model.model.layers[1])
     assert engine.num_interrupted_steps == 5
     for i in range(len(PROMPTS)):
         assert again[f"batchagain-{i}"] == mid[f"batchmid-{i}"] == plain[f"batch-{i}"]
+
+
+def test_an_eager_step_stops_inside_the_layer(engine):
+    """Interactive work arriving during a batch prefill's MLP: its down projection never runs, nor does
+    anything after it; the step is redone whole with the same answers. Unarmed steps carry no hooks."""
+    mlp = engine.model.model.layers[0].mlp
+    ran_after: list[str] = []
+    mlp.down_proj.register_forward_hook(lambda *_: ran_after.append("down_proj"))
+    engine.model.model.layers[1].register_forward_hook(lambda *_: ran_after.append("layer 1"))
+    _add(engine, Lane.BATCH)
+    plain = _drain(engine)
+    ran_after.clear()
+    _add(engine, Lane.BATCH, "mid")
+    arrived = mlp.gate_up_proj.register_forward_pre_hook(lambda *_: engine.runner.interrupt.request())
+    assert engine.step() == [] and engine.num_interrupted_steps == 1  # the prefill of all three
+    assert ran_after == []
+    arrived.remove()
+    engine.runner.interrupt.clear()
+    assert not mlp.down_proj._forward_pre_hooks and not engine.model.model.layers[0]._forward_pre_hooks
+    mid = _drain(engine)
+    for i in range(len(PROMPTS)):
+        assert mid[f"batchmid-{i}"] == plain[f"batch-{i}"]
 
 
 def test_steps_with_interactive_work_run_to_the_end(engine):

@@ -83,6 +83,11 @@ def test_schema_declares_errors_oneof_and_405_has_allow(node) -> None:
     wrong = httpx.delete(f"{node.url}/v1/chat/completions")
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["code"] == "method_not_allowed"
+    # A path with a route per method: the 405 names every route's methods, each operation its own id.
+    two = httpx.delete(f"{node.url}/accounts/a/ai/finetunes")
+    assert two.status_code == 405 and two.headers["allow"] == "GET, POST"
+    ops = schema["paths"]["/accounts/{account_id}/ai/finetunes"]
+    assert ops["get"]["operationId"] != ops["post"]["operationId"]
 
 
 WAI = "/accounts/a/ai/run/tiny"

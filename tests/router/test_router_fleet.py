@@ -140,10 +140,18 @@ def test_affinity_sticks_with_headroom_and_moves_without(router: RouterThread, l
     assert served_by(ask(router.url, affinity="session-7")) == owner
 
 
-MALFORMED = [
+# What cannot be placed is answered by the router itself, as the node would; the rest of a generation
+# request is the node's to judge (router/generation.py): its 4xx comes back as it gave it.
+UNROUTABLE = [
     ("/v1/completions", b"{not json", {}),
     ("/v1/completions", b'{"prompt": "hi"}', {}),
     ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}', {}),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi"}', {"authorization": "Bearer wrong"}),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "' + b"x" * (4 * 1024 * 1024) + b'"}', {}),
+    ("/v1/chat/completions", b'{"model": 7, "messages": []}', {}),
+    ("/accounts/a/ai/run/tiny", b'{"prompt": "hi", "lora": 3}', {}),
+]
+JUDGED_BY_THE_NODE = [
     ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "suffix": "x"}', {}),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', {}),
     (
@@ -153,14 +161,20 @@ MALFORMED = [
     ),
     ("/accounts/a/ai/run/tiny", b'{"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}', {}),
     ("/accounts/a/ai/run/tiny", b'{"prompt": "hi", "temperature": -1}', {}),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "hi"}', {"authorization": "Bearer wrong"}),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "' + b"x" * (4 * 1024 * 1024) + b'"}', {}),
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "headers"), MALFORMED)
-def test_malformed_bodies_get_the_nodes_4xx_without_reaching_a_node(
-    router: RouterThread, loopback_fleet: LoopbackFleet, path: str, body: bytes, headers: dict[str, str]
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "forwarded"),
+    [(*case, False) for case in UNROUTABLE] + [(*case, True) for case in JUDGED_BY_THE_NODE],
+)
+def test_malformed_bodies_get_the_nodes_4xx(
+    router: RouterThread,
+    loopback_fleet: LoopbackFleet,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    forwarded: bool,
 ):
     sent = {"content-type": "application/json", **ALICE, **headers}
     routed = metric(router.url, "edgeinfer_router:routed_requests_total")
@@ -168,7 +182,7 @@ def test_malformed_bodies_get_the_nodes_4xx_without_reaching_a_node(
     direct = httpx.post(loopback_fleet.nodes["fra-1"].url + path, content=body, headers=sent)
     assert 400 <= direct.status_code < 500
     assert (via_router.status_code, via_router.json()) == (direct.status_code, direct.json())
-    assert metric(router.url, "edgeinfer_router:routed_requests_total") == routed
+    assert metric(router.url, "edgeinfer_router:routed_requests_total") == routed + forwarded
 
 
 def usage_requests(node_url: str, tenant: str) -> int:

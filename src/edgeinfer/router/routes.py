@@ -1,10 +1,11 @@
 """The router's routes, dispatched by path without a framework: the node's OpenAI and Workers-AI paths (the
-data plane: read and validated as the node does, so malformed bodies get the node's 4xx here), /v1/models
-and /v1/usage for the fleet, and ops routes.
+data plane), /v1/models and /v1/usage for the fleet, and ops routes.
 
-Order of checks on the data-plane routes, as on the node: the body's size (413, while it is read), its JSON
-(400), the API key (401: a wrong key is a 401 whatever the body holds), the schema (400), the model (404),
-then the tenant's fleet limits (429/503) and the policy."""
+Order of checks on the data-plane routes: the body's size (413, while it is read), its JSON (400), the API
+key (401: a wrong key is a 401 whatever the body holds), the fields that place the request (router/
+generation.py: read off the body; where they are not plain, the node's schemas here, 400), the model (404),
+then the tenant's fleet limits (429/503) and the policy; the node judges the rest of a generation request.
+Embedding requests are checked whole here."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from typing import Any
 from edgeinfer.api.adapters import split_model
 from edgeinfer.api.embeddings import openai_embedding_job, workers_ai_embedding_job
 from edgeinfer.api.errors import ApiError, bad_request
-from edgeinfer.api.jobs import Job
 from edgeinfer.api.prepare import chat_job, check_one_workers_ai_input, completion_job, workers_ai_job
 from edgeinfer.api.schemas import (
     ChatCompletionRequest,
@@ -32,8 +32,9 @@ from edgeinfer.batch.submission import read_batch_body
 from edgeinfer.finetunes import answers as finetune_answers
 from edgeinfer.finetunes.upload import read_upload
 from edgeinfer.obs.metrics import CONTENT_TYPE
-from edgeinfer.router import status_page
+from edgeinfer.router import generation, status_page
 from edgeinfer.router.body import json_value, validated
+from edgeinfer.router.generation import Generation
 from edgeinfer.router.http_server import Streamed
 from edgeinfer.router.service import RouterService
 from edgeinfer.router.wire import Reply, Request, error_reply, json_reply
@@ -54,15 +55,21 @@ def tenant_of(service: RouterService, request: Request) -> Tenant:
 async def completions(service: RouterService, request: Request) -> Answer:
     value = json_value(request)
     tenant = tenant_of(service, request)
-    job = completion_job(validated(CompletionRequest, value), value, service.config.limits)
-    return await _generate(service, request, tenant, job)
+    limits = service.config.limits
+    found = generation.completion(value, limits)
+    if found is None:
+        found = generation.of_job(completion_job(validated(CompletionRequest, value), value, limits), limits)
+    return await _generate(service, request, tenant, found)
 
 
 async def chat_completions(service: RouterService, request: Request) -> Answer:
     value = json_value(request)
     tenant = tenant_of(service, request)
-    job = chat_job(validated(ChatCompletionRequest, value), value, service.config.limits)
-    return await _generate(service, request, tenant, job)
+    limits = service.config.limits
+    found = generation.chat(value, limits)
+    if found is None:
+        found = generation.of_job(chat_job(validated(ChatCompletionRequest, value), value, limits), limits)
+    return await _generate(service, request, tenant, found)
 
 
 async def embeddings(service: RouterService, request: Request) -> Answer:
@@ -79,13 +86,17 @@ async def run_model(service: RouterService, request: Request, model: str) -> Ans
     tenant = tenant_of(service, request)
     if _queue_request(request):
         return await _queued(service, request, tenant, model, value)
+    limits = service.config.limits
+    found = generation.workers_ai(model, value, limits)
+    if found is not None and not service.is_embedding_model(model):
+        return await _generate(service, request, tenant, found)
     body = validated(WorkersAIRunRequest, value)
     check_one_workers_ai_input(body)
     if service.is_embedding_model(model):
-        embedding = workers_ai_embedding_job(model, body, service.config.limits)
+        embedding = workers_ai_embedding_job(model, body, limits)
         return await service.route(request, tenant, embedding.model)
-    job = workers_ai_job(model, body, value, service.config.limits)
-    return await _generate(service, request, tenant, job)
+    job = workers_ai_job(model, body, value, limits)
+    return await _generate(service, request, tenant, generation.of_job(job, limits))
 
 
 def _queue_request(request: Request) -> bool:
@@ -145,20 +156,15 @@ async def upload_asset(service: RouterService, request: Request, finetune_id: st
     return json_reply(await service.counted(request, tenant, work))
 
 
-async def _generate(service: RouterService, request: Request, tenant: Tenant, job: Job) -> Answer:
-    """A generation job to the fleet: placed by its base model, where its LoRA adapter is loaded if it
-    names one (`base:adapter` or Workers AI's `lora`; the base's nodes check that it is the tenant's). A
-    served model whose own name holds ':' stays whole."""
-    base, adapter = job.model, job.adapter
+async def _generate(service: RouterService, request: Request, tenant: Tenant, found: Generation) -> Answer:
+    """A generation to the fleet: placed by its base model, where its LoRA adapter is loaded if it names
+    one (`base:adapter` or Workers AI's `lora`; the base's nodes check that it is the tenant's). A served
+    model whose own name holds ':' stays whole."""
+    base, adapter = found.model, found.adapter
     served = service.state.served_models(service.config.policy.drop_after_s)
     if adapter is None and ":" in base and base not in served:
         base, adapter = split_model(base)
-    return await service.route(request, tenant, base, _output_tokens(job, service), adapter)
-
-
-def _output_tokens(job: Job, service: RouterService) -> int:
-    """The most a generation may produce, all choices together (the node's own reservation likewise)."""
-    return job.num_choices * (job.max_tokens or service.config.limits.max_tokens)
+    return await service.route(request, tenant, base, found.output_tokens, adapter)
 
 
 async def models(service: RouterService, request: Request) -> Answer:

@@ -52,17 +52,14 @@ class SamplingParams:
         """Raise InvalidInput (a ValueError) with a one-line message naming the bad field."""
         for name, bound in SAMPLING_BOUNDS.items():
             value = getattr(self, name)
-            if value is not None or name not in _OPTIONAL:
-                _check(bound.admits(value), bound.message(name), name)
+            if (value is not None or name not in _OPTIONAL) and not bound.admits(value):
+                raise InvalidInput(bound.message(name), name)  # worded only when needed: every request checks
         _check(self.min_tokens <= self.max_tokens, "min_tokens must not exceed max_tokens", "min_tokens")
         _check(self.grammar is None or isinstance(self.grammar, str), "grammar must be a string", "grammar")
         stops_ok = all(isinstance(s, str) and s for s in self.stop)
         _check(stops_ok, "stop must be a list of non-empty strings", "stop")
-        _check(
-            all(TOKEN_ID.admits(t) for t in self.stop_token_ids),
-            TOKEN_ID.message("every id in stop_token_ids"),
-            "stop_token_ids",
-        )
+        if not all(TOKEN_ID.admits(t) for t in self.stop_token_ids):
+            raise InvalidInput(TOKEN_ID.message("every id in stop_token_ids"), "stop_token_ids")
 
 
 _OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs"})

@@ -12,10 +12,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from edgeinfer.api.errors import ApiError, bad_request, body_too_large
 from edgeinfer.types.validation import InvalidInput
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 # Where FastAPI found a value: the first part of an error's `loc`.
 _SOURCES = ("body", "query", "path", "header", "cookie")
 
@@ -64,6 +66,20 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout"}.get(exc.status_code)
         error = ApiError(exc.status_code, str(exc.detail), code=code)
     response = error.response(request.url.path)
-    # Starlette's 405 names the route's methods in Allow (RFC 9110 requires it).
     response.headers.update(exc.headers or {})
+    if exc.status_code == 405:
+        response.headers["allow"] = _allowed_methods(request)
     return response
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route takes at this path, for a 405's Allow header (RFC 9110 requires it):
+    Starlette names only those of the first route matching the path, where a path may have a route per
+    method. Asked of the routes as they are (FastAPI wraps included routers), one method at a time."""
+    routes = request.app.routes
+    allowed = [
+        method
+        for method in _METHODS
+        if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)
+    ]
+    return ", ".join(allowed)

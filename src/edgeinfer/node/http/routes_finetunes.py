@@ -28,15 +28,17 @@ from edgeinfer.types import bounded_json
 router = APIRouter(route_class=BoundedJSONRoute)
 
 
-# One route takes both methods: a 405 then names both in its Allow header.
-@router.api_route("/accounts/{account_id}/ai/finetunes", methods=["GET", "POST"], tags=["workers-ai"])
-async def finetunes(account_id: str, request: Request, tenant: AuthTenant) -> dict[str, Any]:
-    """GET: the calling account's finetunes. POST `{"model", "name", "description"}`: create one (its files
-    follow as assets). The account id is accepted for compatibility."""
+@router.get("/accounts/{account_id}/ai/finetunes", tags=["workers-ai"])
+async def list_finetunes(account_id: str, request: Request, tenant: AuthTenant) -> dict[str, Any]:
+    """The calling account's finetunes. The account id is accepted for compatibility."""
     service: NodeService = request.app.state.service
-    store = await service.adapters.finetunes.store()
-    if request.method == "GET":
-        return await answers.listing(store, tenant.name)
+    return await answers.listing(await service.adapters.finetunes.store(), tenant.name)
+
+
+@router.post("/accounts/{account_id}/ai/finetunes", tags=["workers-ai"])
+async def create_finetune(account_id: str, request: Request, tenant: AuthTenant) -> dict[str, Any]:
+    """Create a finetune from `{"model", "name", "description"}`; its files follow as assets."""
+    service: NodeService = request.app.state.service
 
     def base_model(name: str) -> str:
         """The canonical name of a text-generation model (404 unknown, 400 an embedding model)."""
@@ -49,7 +51,7 @@ async def finetunes(account_id: str, request: Request, tenant: AuthTenant) -> di
         value = bounded_json.loads(await request.body())
     except ValueError as exc:
         raise bad_request(f"invalid JSON body: {exc}") from None
-    return await answers.create(store, tenant.name, value, base_model)
+    return await answers.create(await service.adapters.finetunes.store(), tenant.name, value, base_model)
 
 
 @router.post("/accounts/{account_id}/ai/finetunes/{finetune_id}/finetune-assets", tags=["workers-ai"])
