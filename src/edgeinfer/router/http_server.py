@@ -260,7 +260,7 @@ class ClientConnection(asyncio.Protocol):
         if len(self._queue) >= MAX_PIPELINED and self.transport is not None:
             self.transport.pause_reading()
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = self._loop.create_task(self._run())
 
     async def _run(self) -> None:
         try:

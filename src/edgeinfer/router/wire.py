@@ -4,6 +4,8 @@ node and back, so whatever bytes a client sent pass unchanged."""
 
 from __future__ import annotations
 
+import os
+import random
 import secrets
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -47,10 +49,17 @@ class Request:
         return None if value is None else value.decode("latin-1")
 
 
+# New request ids: 128 random bits, unique rather than secret (they name a request, they do not
+# authorize it), so drawn from a generator seeded by the OS, not from a system call per request. A worker
+# forked from another draws its own.
+_IDS = random.Random(secrets.randbits(128))
+os.register_at_fork(after_in_child=lambda: _IDS.seed(secrets.randbits(128)))
+
+
 def request_id(client_value: bytes | None) -> str:
     """The client's own `x-request-id` when it is tame (as on a node), else a new one."""
     if client_value is None:
-        return secrets.token_hex(16)
+        return f"{_IDS.getrandbits(128):032x}"
     return request_id_of({"headers": [(b"x-request-id", client_value)]})
 
 
