@@ -35,7 +35,6 @@ constexpr int64_t kGroup = 16;   // rows per escape offset (kernels/lossless.py 
 constexpr int64_t kBlock = 80;   // weight rows a task decodes for several activation rows (bf16_tiles kBlock)
 constexpr int kEscape = 7;       // the code of an escaped exponent
 constexpr int64_t kGrainBytes = 64 * 1024;
-constexpr int64_t kL1Bytes = 16 * 1024;  // activation rows a chunk of tiles keeps in L1 (bf16_tiles kL1Bytes)
 
 #define EDGEINFER_TARGET_LOSSLESS \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi2,popcnt")))
@@ -229,158 +228,21 @@ EDGEINFER_TARGET_LOSSLESS void gemv_one_row(const Form& f, const at::Tensor& x, 
   });
 }
 
-// A run of weight rows decoded block after block into a buffer whose rows lie kp apart (the padding lanes
-// decoded too: code 0, never an escape). The rows follow each other in the form, so one pointer walks each of
-// its tensors, the escapes' from the first row's group offset.
-struct Decoder {
-  const uint8_t* sm;
-  const uint32_t* p;
-  const uint16_t* esc;
-  uint16_t* out;
-  int64_t left;  // blocks of 32 still to decode
-};
-
-Decoder decoder_of(const Form& f, int64_t n0, int64_t rows, uint16_t* out) {
-  return {f.sign_mantissa + n0 * f.kp, f.planes + n0 * (f.kp / 32) * 3, f.escapes + f.offsets[n0 / kGroup], out,
-          rows * (f.kp / 32)};
-}
-
-EDGEINFER_TARGET_LOSSLESS inline void decode_next(const Consts& c, Decoder& d) {
-  _mm512_storeu_si512(d.out, decode32(c, d.sm, d.p, d.esc));
-  d.sm += 32;
-  d.p += 3;
-  d.out += 32;
-  --d.left;
-}
-
-EDGEINFER_TARGET_LOSSLESS void finish(const Consts& c, Decoder& next) {
-  Decoder d = next;
-  while (d.left > 0) decode_next(c, d);
-  next = d;
-}
-
-// One block of decoded weight rows `w` [n, k] (rows kp apart) against every activation row, into `out_*`
-// (rows ldo apart, from the block's first column).
-struct Product {
-  const uint16_t* x;
-  const uint16_t* w;
-  int64_t m, n, k, kp;
-  float* out_f32;
-  at::BFloat16* out_bf16;
-  int64_t ldo;
-};
-
-// A tile's sums (lane m * nb_tile + n: activation row m0 + m, weight row n0 + n) into the output.
-EDGEINFER_TARGET_LOSSLESS inline void store(const Product& p, __m512 sums, int64_t m0, int64_t mb, int64_t n0,
-                                            int64_t nb, int nb_tile) {
-  for (int64_t m = 0; m < mb; ++m) {
-    const int64_t at = (m0 + m) * p.ldo + n0 - m * nb_tile;
-    const __mmask16 lanes = static_cast<__mmask16>(((1u << nb) - 1) << (m * nb_tile));
-    if (p.out_f32)
-      _mm512_mask_storeu_ps(p.out_f32 + at, lanes, sums);
-    else
-      _mm256_mask_storeu_epi16(p.out_bf16 + at, lanes, edgeinfer_cpu::bf16_bits(sums));
-  }
-}
-
-// bf16_tiles.cpp's MB x NB tile on decoded rows (the same chains, so the same sums), decoding `budget` blocks
-// of the next weight rows with `d` spread over its steps: the decode runs beside the products instead of
-// before them.
-template <int MB, int NB>
-EDGEINFER_TARGET_LOSSLESS void tile(const Product& p, int64_t m0, int64_t n0, const Consts& c, Decoder& next,
-                                    int64_t budget) {
-  Decoder d = next;  // in registers: the buffer's stores may alias `next` for the compiler
-  static_assert(MB * NB <= 16);
-  const int64_t k = p.k, mb = std::min<int64_t>(MB, p.m - m0), nb = std::min<int64_t>(NB, p.n - n0);
-  const uint16_t* xs[MB];
-  const uint16_t* ws[NB];
-  for (int m = 0; m < MB; ++m) xs[m] = p.x + (m0 + std::min<int64_t>(m, mb - 1)) * k;
-  for (int n = 0; n < NB; ++n) ws[n] = p.w + (n0 + std::min<int64_t>(n, nb - 1)) * p.kp;
-  const int64_t body = k & ~int64_t{31}, steps = p.kp / 32;
-  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (k - body)) - 1);
-  int64_t credit = 0;
-  __m512 acc[16];
-#pragma GCC unroll 16
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  for (int64_t i = 0; i < body; i += 32) {
-    __m512bh xv[MB];
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(xs[m] + i);
-#pragma GCC unroll 16
-    for (int n = 0; n < NB; ++n) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(ws[n] + i);
-#pragma GCC unroll 4
-      for (int m = 0; m < MB; ++m) acc[m * NB + n] = _mm512_dpbf16_ps(acc[m * NB + n], wv, xv[m]);
-    }
-    for (credit += budget; credit >= steps && d.left > 0; credit -= steps) decode_next(c, d);
-  }
-  if (tail) {
-    __m512bh xv[MB];
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(tail, xs[m] + body);
-#pragma GCC unroll 16
-    for (int n = 0; n < NB; ++n) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, ws[n] + body);
-#pragma GCC unroll 4
-      for (int m = 0; m < MB; ++m) acc[m * NB + n] = _mm512_dpbf16_ps(acc[m * NB + n], wv, xv[m]);
-    }
-    for (credit += budget; credit >= steps && d.left > 0; credit -= steps) decode_next(c, d);
-  }
-  next = d;
-  store(p, edgeinfer_cpu::sum_lanes16(acc), m0, mb, n0, nb, NB);
-}
-
-template <int MB, int NB>
-EDGEINFER_TARGET_LOSSLESS void row_of_tiles(const Product& p, int64_t m0, const Consts& c, Decoder& d,
-                                            int64_t budget) {
-  for (int64_t n = 0; n < p.n; n += NB) tile<MB, NB>(p, m0, n, c, d, budget);
-}
-
-// The block's weight rows x every activation row, as bf16_tiles.cpp's `block` orders its tiles (4 x 4 over
-// chunks of activation rows that stay in L1, then the last 1-3 rows), while `d` decodes the next block: its
-// blocks of 32 shared evenly among the tiles, the rest decoded at the end.
-EDGEINFER_TARGET_LOSSLESS void block(const Product& p, const Consts& c, Decoder& d) {
-  const int64_t full = p.m / 4 * 4, rest = p.m - full;
-  const int64_t rest_tiles = rest == 0 ? 0 : (p.n + 16 / rest - 1) / (16 / rest);
-  const int64_t tiles = (p.n + 3) / 4 * (full / 4) + rest_tiles;
-  const int64_t budget = (d.left + tiles - 1) / tiles;
-  const int64_t chunk = std::max<int64_t>(4, kL1Bytes / (p.k * 2) / 4 * 4);
-  for (int64_t mc = 0; mc < full; mc += chunk) {
-    const int64_t end = std::min(full, mc + chunk);
-    for (int64_t n = 0; n < p.n; n += 4)
-      for (int64_t m = mc; m < end; m += 4) tile<4, 4>(p, m, n, c, d, budget);
-  }
-  switch (rest) {
-    case 3: row_of_tiles<3, 5>(p, full, c, d, budget); break;
-    case 2: row_of_tiles<2, 8>(p, full, c, d, budget); break;
-    case 1: row_of_tiles<1, 16>(p, full, c, d, budget); break;
-    default: break;
-  }
-  finish(c, d);
-}
-
-// Several activation rows: each task takes its blocks of kBlock weight rows in turn, decoded into one of two
-// buffers while the tiles multiply the other (the task's first block decoded before).
-EDGEINFER_TARGET_LOSSLESS void gemv_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
-  const Consts c = consts_of(f);
+// Several activation rows: each task decodes its blocks of kBlock weight rows into a buffer and runs the
+// bf16 tiles on them.
+void gemv_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   float* out_f32 = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
   at::BFloat16* out_bf16 = out_f32 ? nullptr : out.data_ptr<at::BFloat16>();
   const int64_t blocks = (f.n + kBlock - 1) / kBlock, m = x.size(0);
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kBlock * f.k * 2));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<uint16_t> buffers(2 * kBlock * f.kp);
-    const auto rows = [&](int64_t b) { return std::min(kBlock, f.n - b * kBlock); };
-    Decoder d = decoder_of(f, b0 * kBlock, rows(b0), buffers.data());
-    finish(c, d);
+    std::vector<uint16_t> buffer(kBlock * f.k);
     for (int64_t b = b0; b < b1; ++b) {
-      uint16_t* decoded = buffers.data() + (b - b0) % 2 * kBlock * f.kp;
-      uint16_t* next = buffers.data() + (b - b0 + 1) % 2 * kBlock * f.kp;
-      d = b + 1 < b1 ? decoder_of(f, (b + 1) * kBlock, rows(b + 1), next) : Decoder{};
-      const int64_t n0 = b * kBlock;
-      block(Product{xs, decoded, m, rows(b), f.k, f.kp, out_f32 ? out_f32 + n0 : nullptr,
-                    out_bf16 ? out_bf16 + n0 : nullptr, f.n},
-            c, d);
+      const int64_t n0 = b * kBlock, rows = std::min(kBlock, f.n - n0);
+      decode_rows(f, n0, n0 + rows, buffer.data());
+      edgeinfer_cpu::bf16_tiles_rows(xs, m, buffer.data(), rows, f.k, out_f32 ? out_f32 + n0 : nullptr,
+                                     out_bf16 ? out_bf16 + n0 : nullptr, f.n);
     }
   });
 }
