@@ -69,7 +69,7 @@ def test_round_trip_of_edge_values(ops):
     assert_round_trip(torch.zeros(3, 40).bfloat16())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 17, 32])  # every tile path: 1 row, 4 x 4, 1-3 left
 @pytest.mark.parametrize("shape", [(300, 640), (37, 70), (16, 32)])
 def test_gemv_equals_bf16_gemv(ops, rows, shape):
     g = torch.Generator().manual_seed(rows)

@@ -121,14 +121,14 @@ EDGEINFER_TARGET_LOSSLESS inline Consts consts_of(const Form& f) {
 // One block of 32 weights as bf16 bits (lane i = input i); advances `esc` past its escapes.
 EDGEINFER_TARGET_LOSSLESS inline __m512i decode32(const Consts& c, const uint8_t* sm, const uint32_t* p,
                                                   const uint16_t*& esc) {
-  const __mmask32 p0 = _cvtu32_mask32(p[0]), p1 = _cvtu32_mask32(p[1]), p2 = _cvtu32_mask32(p[2]);
-  __m512i code = _mm512_maskz_mov_epi16(p0, c.one);
-  code = _mm512_mask_add_epi16(code, p1, code, c.two);
-  code = _mm512_mask_add_epi16(code, p2, code, c.four);
+  // the escaped lanes' mask and count in general registers: fewer mask-register operations
+  const uint32_t x = escaped(p);
+  __m512i code = _mm512_maskz_mov_epi16(_cvtu32_mask32(p[0]), c.one);
+  code = _mm512_mask_add_epi16(code, _cvtu32_mask32(p[1]), code, c.two);
+  code = _mm512_mask_add_epi16(code, _cvtu32_mask32(p[2]), code, c.four);
   __m512i e = _mm512_permutexvar_epi16(code, c.table);
-  const __mmask32 x = _kand_mask32(_kand_mask32(p0, p1), p2);
-  e = _mm512_mask_expand_epi16(e, x, _mm512_loadu_si512(esc));
-  esc += _mm_popcnt_u32(_cvtmask32_u32(x));
+  e = _mm512_mask_expand_epi16(e, _cvtu32_mask32(x), _mm512_loadu_si512(esc));
+  esc += _mm_popcnt_u32(x);
   const __m512i s = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
   return _mm512_ternarylogic_epi32(s, c.sign_mantissa, e, 0xEA);  // (s & 0x807F) | e
 }
