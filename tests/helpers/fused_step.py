@@ -29,10 +29,21 @@ def bf16_engine(model: str, **overrides: Any) -> LLMEngine:
     return LLMEngine(dataclasses.replace(config, **overrides))
 
 
-def greedy_answers(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, together: bool) -> Answers:
-    """Greedy tokens with their logprobs (chosen and top), one request at a time or all at once."""
+def greedy_answers(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    together: bool,
+    adapters: list[str | None] | None = None,
+) -> Answers:
+    """Greedy tokens with their logprobs (chosen and top), one request at a time or all at once; each
+    prompt under its LoRA adapter in `adapters` (None: the base)."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3)
-    done = engine.generate(prompts, sp) if together else [engine.generate([p], sp)[0] for p in prompts]
+    names = adapters or [None] * len(prompts)
+    if together:
+        done = engine.generate(prompts, sp, names)
+    else:
+        done = [engine.generate([p], sp, [n])[0] for p, n in zip(prompts, names, strict=True)]
     out = []
     for c in done:
         lps = [lp for o in c.outputs for lp in o.logprobs]
@@ -41,19 +52,33 @@ def greedy_answers(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
     return out
 
 
-def assert_fused_step_decodes_as_eager(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
-    """The fused step takes every decode step (alone and batched), and the answers equal the eager path's
-    bit for bit."""
+def assert_fused_step_decodes_as_eager(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    adapters: list[str | None] | None = None,
+) -> None:
+    """The fused step takes every decode step (alone and batched), those of adapter requests too, and the
+    answers equal the eager path's bit for bit."""
     fused = engine.runner.fused
     assert fused is not None, "every layer of this model runs on our kernels: the fused step takes it"
     rows: list[int] = []
+    adapter_steps: list[int] = []
 
-    def counted(ids, positions, meta, stop=None):
+    def counted(ids, positions, meta, stop=None, lora=None):
         rows.append(len(ids))
-        return fused(ids, positions, meta, stop)
+        if lora is not None:
+            adapter_steps.append(len(ids))
+        return fused(ids, positions, meta, stop, lora)
 
     engine.runner.fused = counted
-    with_fused = [greedy_answers(engine, prompts, max_tokens, together) for together in (False, True)]
+    runs = (False, True)
+    with_fused = [greedy_answers(engine, prompts, max_tokens, together, adapters) for together in runs]
     assert rows.count(1) >= len(prompts) * (max_tokens - 1) and max(rows) == len(prompts)
+    if adapters is not None:  # each adapter request's decode steps alone, and the batch's
+        with_adapter = sum(name is not None for name in adapters)
+        assert adapter_steps.count(1) >= with_adapter * (max_tokens - 1)
+        assert adapter_steps.count(len(prompts)) >= max_tokens - 1
     engine.runner.fused = None
-    assert [greedy_answers(engine, prompts, max_tokens, together) for together in (False, True)] == with_fused
+    eager = [greedy_answers(engine, prompts, max_tokens, together, adapters) for together in runs]
+    assert eager == with_fused

@@ -53,6 +53,11 @@ def test_fused_step_refuses_inputs_it_cannot_run(ops):
     with pytest.raises(RuntimeError, match="bf16"):
         slots = torch.zeros(2, dtype=torch.long)
         step.run(torch.zeros(2, 8), [], [], slots, torch.zeros(2, 1), torch.ones(2), None)
+    plan = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="no layer 0"):
+        step.set_lora(torch.zeros(1, dtype=torch.long), [0], ["qkv"], [[]], [[]], [plan])
+    with pytest.raises(RuntimeError, match="rows must be a contiguous int64"):
+        step.set_lora(torch.zeros(1, dtype=torch.int32), [], [], [], [], [])
 
 
 def test_compile_leaves_a_model_the_fused_step_takes_to_it(ops, tiny_models):

@@ -32,7 +32,7 @@ use; `EDGEINFER_CPU_ISA` (scalar, avx2, avx512, avx512_vnni) caps it, for tests 
   `mla_decode`: latent attention's absorbed decode (attention/mla.py); `packed_attention`: a packed
   encoder batch's attention (model/bert.py).
 - `lora_add`: a step's LoRA deltas on one module, every adapter's tokens in one call (lora.cpp;
-  engine/lora/apply.py); eager only, like the small ops.
+  engine/lora/apply.py, and the fused decode step below); eager only, like the small ops.
 - `torch.classes.edgeinfer_cpu.MoeBlock`: a sparse MoE block in one call (moe_block.cpp; model/moe.py).
 - `torch.classes.edgeinfer_cpu.DenseDecodeStep`: every layer of a dense model's one-sequence decode step in
   one call, through the kernels above (dense_step.cpp; built by model/fused_decode.py).

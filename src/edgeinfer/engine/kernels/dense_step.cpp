@@ -6,7 +6,8 @@
 // (ops.h: rms_norm, bf16_gemv or int4_gemv, rope, gated_act, paged_decode) where the eager path takes them,
 // the same ATen ops where it does not (wider products, inputs past `max_elements` values), so its hidden
 // states are the eager path's bit for bit. The call runs without the GIL, so a server's event loop can
-// stream the previous token while the whole step runs.
+// stream the previous token while the whole step runs. LoRA adapters (engine/lora/) add their deltas to
+// the outputs of qkv, o, gate_up and down by the same `lora_add` call that the eager path's hooks make.
 //
 // Built from Python (model/fused_decode.py), one `add_layer` per layer: tensors by name, numbers by name.
 
@@ -18,9 +19,12 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace {
@@ -49,16 +53,33 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return rest.size(-1) == 0 ? out : at::cat({out, rest}, -1);
 }
 
-// act(gate) * up: the kernel for every size (it calls ATen's activation, as the torch form does).
 // The step's inputs every layer reads: the rope tables, the new tokens' cache slots [G, T] and the
 // sequences' block tables [G, T, n] in each of the G KV groups (a layer reads its own group's row), and the
-// sequences' context lengths [T] (one new token each).
+// sequences' context lengths [T] (one new token each), and the rows of the step's adapters (`lora_rows`,
+// int64, each adapter's a segment of it: engine/lora/step.py).
 struct StepInputs {
   const std::vector<at::Tensor>& cos;
   const std::vector<at::Tensor>& sin;
   const at::Tensor& slots;
   const at::Tensor& block_tables;
   const at::Tensor& ctx_lens;
+  const at::Tensor& lora_rows;
+};
+
+// The modules of a layer that adapters target (engine/lora/targets.py), in `Layer::lora`'s order.
+constexpr std::array<std::string_view, 4> kLoraModules = {"qkv", "o", "gate_up", "down"};
+enum LoraModule { kQkv, kO, kGateUp, kDown };
+
+// One module's `lora_add` call of the step: the A and B of each adapter of the step that targets it and
+// their plan (none: no adapter of the step targets the module).
+struct LoraSite {
+  std::vector<at::Tensor> a, b;
+  at::Tensor plan;
+
+  // out (the module's fresh output) += the deltas of x (its input), as the eager path's forward hook adds them
+  void add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows) const {
+    if (plan.defined()) edgeinfer_cpu::lora_add(out, x, rows, a, b, plan);
+  }
 };
 
 // DeepSeek-V3 / Kimi K2 multi-head latent attention as model/mla.py computes a decode: the query (full rank or
@@ -121,20 +142,28 @@ struct Layer {
   int64_t heads = 0, kv_heads = 0, head_dim = 0, rope = 0, rotary_dim = 0, window = 0, act = 0, group = 0;
   double scale = 1;
   at::Tensor k_pool, v_pool, k_scales, v_scales;  // scales: an int8 / float8 cache's (kv_codes.h)
+  std::array<LoraSite, kLoraModules.size()> lora;  // by LoraModule
 
-  at::Tensor mlp(const at::Tensor& x, const Limits& lim) const {
+  at::Tensor mlp(const at::Tensor& x, const StepInputs& in, const Limits& lim) const {
     if (moe) return moe->forward(x);
-    return down(edgeinfer_cpu::gated_act(gate_up(x, lim), act), lim);
+    at::Tensor gate_up_out = gate_up(x, lim);
+    lora[kGateUp].add(gate_up_out, x, in.lora_rows);
+    const at::Tensor gated = edgeinfer_cpu::gated_act(gate_up_out, act);
+    at::Tensor out = down(gated, lim);
+    lora[kDown].add(out, gated, in.lora_rows);
+    return out;
   }
 
   // x [T, hidden] -> the layer's output, as DecoderLayer.forward (MoeDecoderLayer.forward) computes it.
   at::Tensor forward(const at::Tensor& x, const StepInputs& in, const Limits& lim) {
     if (mla) {
       const at::Tensor mid = x + (*mla)(input(x, lim), in, lim);
-      return mid + mlp(post_attention(mid, lim), lim);
+      return mid + mlp(post_attention(mid, lim), in, lim);
     }
     const int64_t t = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
-    const at::Tensor qkv_out = qkv(input(x, lim), lim);
+    const at::Tensor normed = input(x, lim);
+    at::Tensor qkv_out = qkv(normed, lim);
+    lora[kQkv].add(qkv_out, normed, in.lora_rows);
     at::Tensor q = qkv_out.narrow(1, 0, q_size).view({t, heads, head_dim});
     at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({t, kv_heads, head_dim});
     const at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads, head_dim});
@@ -150,13 +179,15 @@ struct Layer {
     edgeinfer_cpu::write_kv(v_pool, v_scales, slots.data_ptr<int64_t>(), t, v);
     const at::Tensor attn = edgeinfer_cpu::paged_decode(q, k_pool, v_pool, in.block_tables.select(0, group), in.ctx_lens,
                                                         scale, window, optional(k_scales), optional(v_scales));
-    const at::Tensor h = o(attn.reshape({t, q_size}), lim);
+    const at::Tensor attn_rows = attn.reshape({t, q_size});
+    at::Tensor h = o(attn_rows, lim);
+    lora[kO].add(h, attn_rows, in.lora_rows);
     if (sandwich) {
       const at::Tensor mid = x + post_attention(h, lim);
-      return mid + post_feedforward(mlp(pre_feedforward(mid, lim), lim), lim);
+      return mid + post_feedforward(mlp(pre_feedforward(mid, lim), in, lim), lim);
     }
     const at::Tensor mid = x + h;
-    return mid + mlp(post_attention(mid, lim), lim);
+    return mid + mlp(post_attention(mid, lim), in, lim);
   }
 };
 
@@ -198,7 +229,7 @@ class DenseDecodeStep : public torch::CustomClassHolder {
     TORCH_CHECK(!stop || (stop->scalar_type() == at::kInt && stop->numel() == 1),
                 "DenseDecodeStep.run: stop must be one int32");
     const volatile int32_t* stop_flag = stop ? stop->data_ptr<int32_t>() : nullptr;
-    const StepInputs in{cos, sin, slots, block_tables, ctx_lens};
+    const StepInputs in{cos, sin, slots, block_tables, ctx_lens, lora_rows_};
     for (Layer& l : layers_) {
       if (stop_flag != nullptr && *stop_flag != 0) return x.new_empty({0, x.size(1)});
       TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()), "DenseDecodeStep.run: no rope table ", l.rope);
@@ -206,6 +237,34 @@ class DenseDecodeStep : public torch::CustomClassHolder {
       x = l.forward(x, in, limits_);
     }
     return x;
+  }
+
+  // The adapters of the steps to come, until set again (engine/lora/step.py's StepPlan): `rows`, the step's
+  // adapter rows; per targeted module `layers[i]`'s `modules[i]` (qkv, o, gate_up or down), its `lora_add`
+  // call's `a`, `b` and `plan`. Empty lists: no adapter rows. The tensors are held, not copied, so a plan
+  // set once serves every step that has the same adapters on the same rows.
+  void set_lora(at::Tensor rows, std::vector<int64_t> layers, std::vector<std::string> modules,
+                std::vector<std::vector<at::Tensor>> a, std::vector<std::vector<at::Tensor>> b,
+                std::vector<at::Tensor> plans) {
+    const size_t n = layers.size();
+    TORCH_CHECK(modules.size() == n && a.size() == n && b.size() == n && plans.size() == n,
+                "DenseDecodeStep.set_lora: one module, A list, B list and plan per layer index");
+    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+                "DenseDecodeStep.set_lora: rows must be a contiguous int64 vector");
+    std::vector<std::array<LoraSite, kLoraModules.size()>> sites(layers_.size());
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(0 <= layers[i] && layers[i] < static_cast<int64_t>(layers_.size()),
+                  "DenseDecodeStep.set_lora: no layer ", layers[i]);
+      const Layer& l = layers_[layers[i]];
+      const auto found = std::find(kLoraModules.begin(), kLoraModules.end(), modules[i]);
+      TORCH_CHECK(found != kLoraModules.end(), "DenseDecodeStep.set_lora: no module '", modules[i], "'");
+      const auto m = static_cast<LoraModule>(found - kLoraModules.begin());
+      TORCH_CHECK(m >= kGateUp ? !l.moe : !l.mla, "DenseDecodeStep.set_lora: layer ", layers[i], " has no ",
+                  modules[i], " projection");
+      sites[layers[i]][m] = LoraSite{std::move(a[i]), std::move(b[i]), std::move(plans[i])};
+    }
+    for (size_t i = 0; i < layers_.size(); ++i) layers_[i].lora = std::move(sites[i]);
+    lora_rows_ = std::move(rows);
   }
 
  private:
@@ -256,6 +315,7 @@ class DenseDecodeStep : public torch::CustomClassHolder {
 
   std::vector<Layer> layers_;
   Limits limits_;
+  at::Tensor lora_rows_ = at::empty({0}, at::kLong);
 };
 
 }  // namespace
@@ -265,5 +325,6 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
       .def(torch::init<int64_t, int64_t>())
       .def("add_layer", &DenseDecodeStep::add_layer)
       .def("add_moe_layer", &DenseDecodeStep::add_moe_layer)
-      .def("run", &DenseDecodeStep::run);
+      .def("run", &DenseDecodeStep::run)
+      .def("set_lora", &DenseDecodeStep::set_lora);
 }

@@ -20,6 +20,7 @@
 // widened to fp32 (bf16 or fp32 tensors), plain loops on any CPU.
 
 #include "isa.h"
+#include "ops.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

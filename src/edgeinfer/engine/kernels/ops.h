@@ -63,4 +63,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 at::Tensor int4_gemv_grouped(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                              const at::Tensor& zero_terms, const std::vector<int64_t>& start, int64_t group);
 
+// lora.cpp: out [T, N] += every adapter group's LoRA delta of x [T, in] at its `rows` (the layout of `a`,
+// `b` and `plan`: engine/lora/weights.py and step.py)
+void lora_add(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& rows, at::TensorList a, at::TensorList b,
+              const at::Tensor& plan);
+
 }  // namespace edgeinfer_cpu

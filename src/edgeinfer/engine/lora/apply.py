@@ -4,8 +4,10 @@ Each targeted linear module gets a forward hook (installed while any adapter is 
 `begin` takes the flat batch's rows grouped by adapter (the base's rows are in no group) and lays out
 each module's work once (step.py); each hook then adds every adapter's `x[rows] @ A.T @ B.T * scale` to
 the module's output at its rows in one `lora_add` call (kernels/lora.cpp), beside whatever product the
-base runs (bf16 GEMV, int8/int4 kernels, torch): a segmented LoRA product. The fused C++ decode step and
-a compiled graph never call the modules, so the runner runs steps with adapter rows eagerly."""
+base runs (bf16 GEMV, int8/int4 kernels, torch): a segmented LoRA product. The fused C++ decode step
+never calls the modules: it takes the step's plan and makes the same `lora_add` calls itself
+(model/fused_decode.py). A compiled graph does neither, so the runner runs its steps with adapter rows
+eagerly."""
 
 from __future__ import annotations
 
@@ -52,17 +54,18 @@ class LoraRuntime:
         self._handles = []
         self.plan = self._last = None
 
-    def begin(self, rows_by_adapter: dict[str, Group]) -> bool:
-        """Set the step's plan from each adapter's row ranges; False when no row has an adapter."""
+    def begin(self, rows_by_adapter: dict[str, Group]) -> StepPlan | None:
+        """Set the step's plan from each adapter's row ranges and return it; None when no row has an
+        adapter. A step with the last step's adapters on the same rows gets the same plan object."""
         groups = list(rows_by_adapter.values())
         if not groups:
             self.plan = self._last = None  # nor adapter weights held past their last step
-            return False
+            return None
         key = tuple((id(w), tuple(ranges)) for w, ranges in groups)
         if self._last is None or self._last[0] != key:
             self._last = (key, [w for w, _ in groups], plan_step(groups))
         self.plan = self._last[2]
-        return True
+        return self.plan
 
     def _hook(self, key: tuple[int, str]) -> Callable[..., None]:
         # `out` is the module's own fresh result (every linear of ours returns a new tensor), so the

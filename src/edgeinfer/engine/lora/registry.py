@@ -18,6 +18,7 @@ from torch import nn
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.lora.apply import LoraRuntime, kernel_available
 from edgeinfer.engine.lora.config import AdapterError
+from edgeinfer.engine.lora.step import StepPlan
 from edgeinfer.engine.lora.targets import BaseTargets, base_targets
 from edgeinfer.engine.lora.weights import LoraWeights, load_adapter
 from edgeinfer.engine.scheduler import ScheduledChunk
@@ -142,11 +143,12 @@ class AdapterRegistry:
                     self._entries[name].users -= 1
             self._evict()
 
-    def begin_step(self, chunks: Sequence[ScheduledChunk]) -> bool:
+    def begin_step(self, chunks: Sequence[ScheduledChunk]) -> StepPlan | None:
         """For the runner: group the step's rows (`chunks` in flat-batch order, each chunk's tokens
-        contiguous) by adapter; False when no row has one (then no hook adds anything)."""
+        contiguous) by adapter; the step's plan, which the hooks (and the fused decode step) apply, or
+        None when no row has an adapter (then no hook adds anything)."""
         if self.runtime is None:
-            return False
+            return None
         groups: dict[str, tuple[LoraWeights, list[tuple[int, int]]]] = {}
         row = 0
         with self._lock:

@@ -14,11 +14,15 @@ absorbed decode calls. GQA layers attend over a bf16 cache or an int8 / float8 o
 step quantizes as the eager path's storage does (kernels/kv_write.cpp). Models or layers it does not
 cover (softcapped attention, MLA's expand mode or a quantized latent cache, int8 or fp8 weights, an int4
 KV cache) keep the eager path: `fused_decode` returns None for them.
+
+A step with LoRA adapter rows runs here too: the step's plan (engine/lora/step.py) goes to the C++ step,
+which adds each targeted module's deltas by the same `lora_add` call as the eager path's hooks, so an
+adapter's hidden states are the eager path's bit for bit as well.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -38,6 +42,9 @@ from edgeinfer.engine.model.mla import MultiLatentAttention
 from edgeinfer.engine.model.moe import SparseMoeBlock
 from edgeinfer.engine.model.moe_lm import MoeCausalLM, MoeDecoderLayer
 
+if TYPE_CHECKING:
+    from edgeinfer.engine.lora.step import StepPlan
+
 
 class FusedDecode:
     """`model(ids, positions, backend)` for a step in which every sequence decodes one token."""
@@ -46,6 +53,7 @@ class FusedDecode:
         self.model = model
         self.step = step
         self.ropes = ropes
+        self._lora: StepPlan | None = None  # the adapters' plan the C++ step holds
 
     def __call__(
         self,
@@ -53,9 +61,12 @@ class FusedDecode:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         stop: torch.Tensor | None = None,
+        lora: StepPlan | None = None,
     ) -> torch.Tensor | None:
-        """The step's hidden states; None where `stop` (an int32 flag another thread may set) was set
-        before one of the layers, which ends the step there (runner/interrupt.py)."""
+        """The step's hidden states, with the deltas of the adapters in `lora` (None: no adapter rows);
+        None where `stop` (an int32 flag another thread may set) was set before one of the layers, which
+        ends the step there (runner/interrupt.py)."""
+        self._hold_lora(lora)
         model = self.model
         x = model.embed(ids) if isinstance(model, DenseCausalLM) else model.model.embed_tokens(ids)
         tables = [rope.tables(positions, x.dtype) for rope in self.ropes]
@@ -65,6 +76,22 @@ class FusedDecode:
         blocks = meta.block_tables.view(-1, *meta.block_tables.shape[-2:])[:, : meta.num_seqs]
         x = self.step.run(x, cos, sin, slots, blocks, meta.decode_context_lens(x.device), stop)
         return None if x.shape[0] == 0 else self.model.model.norm(x)
+
+    def _hold_lora(self, plan: StepPlan | None) -> None:
+        """Hand the C++ step the adapters' plan where it changed: a decode step's is usually its last
+        step's, the same object (lora/apply.py keeps it), and then nothing crosses to C++."""
+        if plan is self._lora:
+            return
+        sites = list(plan.modules.items()) if plan is not None else []
+        self.step.set_lora(
+            plan.rows if plan is not None else torch.empty(0, dtype=torch.long),
+            [layer for (layer, _), _ in sites],
+            [module for (_, module), _ in sites],
+            [site.a for _, site in sites],
+            [site.b for _, site in sites],
+            [site.plan for _, site in sites],
+        )
+        self._lora = plan
 
 
 def fused_decode(model: nn.Module, storage: KVCacheStorage, limits: KernelLimits) -> FusedDecode | None:

@@ -103,18 +103,17 @@ class ModelRunner:
         pending_masks = self.grammar.start_masks(inp.groups) if self.grammar is not None else None
         self.backend.begin(inp.attn)
         all_decode = inp.attn.num_decodes == inp.attn.num_seqs
-        if self.lora is not None and self.lora.begin_step(inp.chunks):
-            # Adapter deltas ride on the modules' forward hooks (engine/lora/apply.py), which the fused
-            # and compiled steps never call: such a step runs eagerly, base rows included.
-            hidden = self.model(inp.input_ids, inp.positions, self.backend)
-        elif self.compiled is not None:
-            single_decode = all_decode and inp.attn.num_seqs == 1
-            hidden = self.compiled(inp.input_ids, inp.positions, self.backend, single_decode)
-        elif self.fused is not None and all_decode:
-            fused = self.fused(inp.input_ids, inp.positions, inp.attn, self.interrupt.stop_flag())
+        lora = self.lora.begin_step(inp.chunks) if self.lora is not None else None
+        if self.fused is not None and all_decode:  # adds the adapters' deltas itself
+            fused = self.fused(inp.input_ids, inp.positions, inp.attn, self.interrupt.stop_flag(), lora)
             if fused is None:
                 raise StepInterrupted
             hidden = fused
+        elif self.compiled is not None and lora is None:
+            # adapter deltas ride on the modules' forward hooks (engine/lora/apply.py), which a compiled
+            # graph never calls: a step with adapter rows runs eagerly, base rows included
+            single_decode = all_decode and inp.attn.num_seqs == 1
+            hidden = self.compiled(inp.input_ids, inp.positions, self.backend, single_decode)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.backend)
         out = RunnerOutput()
