@@ -54,11 +54,9 @@ def test_build_directory_follows_the_ninja_on_path(tmp_path: Path, monkeypatch: 
     assert kernels._build_dir() == dirs[1]  # the same ninja again: the same build
 
 
-def test_a_finished_build_that_does_not_load_is_linked_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A finished build is loaded without torch's build step; if its library is damaged, the start
-    removes it and builds again (ninja relinks from the kept objects) instead of failing."""
+def _copy_of_the_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """A copy of this checkout's finished build under another extensions root (the root is not part of
+    the directory's key): ninja finds its objects up to date and only links what is missing."""
     kernels.load()
     original = kernels._build_dir()
     builds = tmp_path / "builds"
@@ -67,17 +65,45 @@ def test_a_finished_build_that_does_not_load_is_linked_again(
     copy.rmdir()
     shutil.copytree(original, copy)
     assert (copy / kernels._FINISHED).exists()
-    (copy / f"{kernels._NAME}.so").write_bytes(b"not a shared library")
+    return builds, copy
+
+
+def _load_in_a_new_process(builds: Path) -> subprocess.CompletedProcess[str]:
     script = "import torch\nfrom edgeinfer.engine import kernels\n"
     script += "kernels.load()\nprint(torch.ops.edgeinfer_cpu.isa())"
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", script],
         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(builds)},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=300,
     )
+
+
+def test_a_finished_build_that_does_not_load_is_linked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished build is loaded without torch's build step; if its library is damaged, the start
+    removes it and builds again (ninja relinks from the kept objects) instead of failing."""
+    builds, copy = _copy_of_the_build(tmp_path, monkeypatch)
+    (copy / f"{kernels._NAME}.so").write_bytes(b"not a shared library")
+    done = _load_in_a_new_process(builds)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() in kernels.ISA_LEVELS
     assert "does not load" in done.stderr
     assert (copy / kernels._FINISHED).exists()
+
+
+def test_a_build_killed_midway_does_not_stop_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build killed before it finished leaves torch's lock file and no library: the next start builds
+    (here: links) and loads instead of waiting for the dead build forever."""
+    builds, copy = _copy_of_the_build(tmp_path, monkeypatch)
+    (copy / kernels._FINISHED).unlink()
+    (copy / f"{kernels._NAME}.so").unlink()
+    (copy / "lock").touch()
+    done = _load_in_a_new_process(builds)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() in kernels.ISA_LEVELS
+    assert (copy / kernels._FINISHED).exists() and not (copy / "lock").exists()

@@ -60,7 +60,7 @@ class Router:
 
     async def start(self) -> None:
         config = self.config
-        # Status polls and placement asks only: requests to nodes go through the data plane's pools.
+        # Placement asks only: requests and status polls go through the data plane's kind of pools.
         client = await self._stack.enter_async_context(
             httpx.AsyncClient(timeout=httpx.Timeout(config.idle_timeout_s, connect=config.connect_timeout_s))
         )
@@ -69,7 +69,8 @@ class Router:
             if config.nats_url
             else None
         )
-        source = bus if bus is not None else PollSource(self.state, client)
+        timeouts = config.connect_timeout_s, config.idle_timeout_s
+        source: FleetBus | PollSource = bus if bus is not None else PollSource(self.state, *timeouts)
         await source.start()
         self._stack.push_async_callback(source.stop)
         placement = None

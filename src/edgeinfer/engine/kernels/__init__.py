@@ -40,11 +40,14 @@ use; `EDGEINFER_CPU_ISA` (scalar, avx2, avx512, avx512_vnni) caps it, for tests 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -102,8 +105,10 @@ def load() -> None:
         raise KernelBuildError(f"{ISA_ENV}={cap!r} is not one of {', '.join(ISA_LEVELS)}")
     build = _build_dir()
     if not _load_finished(build):
-        _build(build)
-        (build / _FINISHED).touch()
+        with _building(build):
+            if not _load_finished(build):  # another process may have built it while this one waited
+                _build(build)
+                (build / _FINISHED).touch()
     _register_fakes()
     loaded = True
     log.info("CPU GEMV kernels loaded (instruction set: %s)", torch.ops.edgeinfer_cpu.isa())
@@ -130,6 +135,17 @@ def _load_finished(build: Path) -> bool:
         (build / _FINISHED).unlink(missing_ok=True)
         library.unlink(missing_ok=True)
         return False
+
+
+@contextlib.contextmanager
+def _building(build: Path) -> Iterator[None]:
+    """One process builds at a time, under a lock the kernel releases when its holder dies. torch's own
+    lock is a file that a build killed midway (a first start stopped with Ctrl-C) leaves behind, and every
+    later start would then wait for it forever; under ours, any such file is a dead build's."""
+    with open(build / "build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _build(build: Path) -> None:
