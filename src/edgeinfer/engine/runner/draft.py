@@ -1,0 +1,98 @@
+"""Drafts by a model (`self`: the served model's int4 form; `draft`: a separate small model of the same
+vocabulary), proposed in the runner just before the step verifies them (runner/speculative.py).
+
+The scheduler reserves a decoding request's draft places (`drafting.PENDING`, with KV blocks for them);
+here the draft model decodes greedily from the request's last token, one row per request and step, k
+steps for k drafts (the fused decode step where it takes the model), and the drafts take their places.
+Greedy drafts are one-hot, so the verification keeps the output exact at any temperature.
+
+The draft's KV lives in storage of its own, laid out as the target's: the same blocks, block size, block
+tables and slot mappings, with the draft's own layer and head shapes. Admission, preemption, prefix caching
+and rollback then need no bookkeeping of their own: a position past the accepted ones is overwritten later,
+as the target's is. The draft computes what it needs lazily: every prompt chunk the target prefills, in
+the same step (so a prefix-cache hit on a prompt finds the draft's KV of those blocks too), and at a
+request's first draft step whatever positions it has not computed since (decode steps without drafts,
+the last token of a run accepted whole), as one causal chunk before its first draft. Draft KV that is
+missing or stale (a cached block some decode wrote while no one drafted) only lowers the acceptance rate:
+the target's verification decides every token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from edgeinfer.engine.kv_cache import NULL_BLOCK
+from edgeinfer.engine.runner.draft_head import DraftHead
+from edgeinfer.engine.runner.inputs import build_inputs
+from edgeinfer.engine.runner.runner import ModelRunner
+from edgeinfer.engine.scheduler import ScheduledChunk
+from edgeinfer.engine.scheduler.drafting import PENDING
+
+
+class DraftRunner:
+    """Fills the pending drafts of a step's chunks with the draft model's greedy tokens."""
+
+    def __init__(self, runner: ModelRunner, head: DraftHead) -> None:
+        self.runner = runner  # the draft model over its own KV storage
+        self.head = head
+        self._computed: dict[str, int] = {}  # per request: draft KV written for positions [0, n)
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._computed.pop(rid, None)
+
+    @torch.inference_mode()
+    def fill(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """`chunks` with every pending draft proposed; prompt chunks prefilled into the draft's KV."""
+        drafting = [c for c in chunks if c.draft_token_ids and c.draft_token_ids[0] == PENDING]
+        prefills = [dataclasses.replace(c, sample=False) for c in chunks if not c.is_decode]
+        if not drafting and not prefills:
+            return chunks
+        first = self._step([self._catch_up(c) for c in drafting] + prefills)
+        for c in prefills:
+            self._computed[c.request_id] = c.start + c.num_tokens
+        drafts = {c.request_id: [t] for c, t in zip(drafting, first, strict=True)}
+        for j in range(1, max((len(c.draft_token_ids) for c in drafting), default=0)):
+            live = [c for c in drafting if len(c.draft_token_ids) > j]
+            rows = [_row(c, drafts[c.request_id][-1], c.start + j) for c in live]
+            for c, token in zip(live, self._step(rows), strict=True):
+                drafts[c.request_id].append(token)
+        for c in drafting:  # its last token and all its drafts but the last went through the draft
+            self._computed[c.request_id] = c.start + len(c.draft_token_ids)
+        return [_filled(c, drafts[c.request_id]) if c.request_id in drafts else c for c in chunks]
+
+    def _step(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """One forward of the draft model; the greedy next token of each sampling chunk, in order."""
+        inp = build_inputs(chunks, self.runner.storage.block_size, self.runner.device)
+        hidden = self.runner.forward(inp)
+        if not inp.groups:
+            return []
+        by_chunk = dict(zip((g.chunk.request_id for g in inp.groups), inp.sample_rows, strict=True))
+        rows = [by_chunk[c.request_id] for c in chunks if c.sample]
+        return self.head(hidden[rows])
+
+    def _catch_up(self, c: ScheduledChunk) -> ScheduledChunk:
+        """The first draft step's chunk for `c`: every position from the first the draft has not computed
+        (among those whose blocks the request still holds in every KV group) to its last token."""
+        held = _first_held(c) * self.runner.storage.block_size
+        start = max(min(self._computed.get(c.request_id, c.start), c.start), held)
+        context = c.prompt_token_ids + c.output_token_ids
+        return dataclasses.replace(
+            c, token_ids=context[start : c.start + 1], start=start, sample=True, draft_token_ids=[]
+        )
+
+
+def _first_held(c: ScheduledChunk) -> int:
+    """The first block the request holds in every KV group (windowed groups give back the blocks their
+    window left): positions before it have nowhere to be written."""
+    return max(next((i for i, b in enumerate(t) if b != NULL_BLOCK), len(t)) for t in c.block_ids)
+
+
+def _row(c: ScheduledChunk, token: int, position: int) -> ScheduledChunk:
+    return dataclasses.replace(c, token_ids=[token], start=position, sample=True, draft_token_ids=[])
+
+
+def _filled(c: ScheduledChunk, drafts: list[int]) -> ScheduledChunk:
+    return dataclasses.replace(c, token_ids=c.token_ids[:1] + drafts, draft_token_ids=drafts)
