@@ -46,7 +46,8 @@ def _one_torch_thread():
 @pytest.fixture(scope="module")
 def draft_models(tiny_models, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("drafts")
-    return {f: str(make_draft(Path(tiny_models[f]), root / f, 0.05, **DRAFT_SHAPES[f])) for f in FAMILIES}
+    made = {f: make_draft(Path(tiny_models[f]), root / f, noise=0.05, **DRAFT_SHAPES[f]) for f in FAMILIES}
+    return {f: str(path) for f, path in made.items()}
 
 
 def method_kw(method: str, family: str, draft_models: dict[str, str]) -> dict:

@@ -12,7 +12,8 @@ and rollback then need no bookkeeping of their own: a position past the accepted
 as the target's is. The draft computes what it needs lazily: every prompt chunk the target prefills, in
 the same step (so a prefix-cache hit on a prompt finds the draft's KV of those blocks too), and at a
 request's first draft step whatever positions it has not computed since (decode steps without drafts,
-the last token of a run accepted whole), as one causal chunk before its first draft. Draft KV that is
+the last token of a run accepted whole), before its first draft: as decode rows where they are few, else
+as one causal chunk. Draft KV that is
 missing or stale (a cached block some decode wrote while no one drafted) only lowers the acceptance rate:
 the target's verification decides every token.
 """
@@ -29,6 +30,8 @@ from edgeinfer.engine.runner.inputs import build_inputs
 from edgeinfer.engine.runner.runner import ModelRunner
 from edgeinfer.engine.scheduler import ScheduledChunk
 from edgeinfer.engine.scheduler.drafting import PENDING
+
+_DECODE_ROWS = 4  # the most positions a catch-up computes as decode rows of their own
 
 
 class DraftRunner:
@@ -69,19 +72,19 @@ class DraftRunner:
         hidden = self.runner.forward(inp)
         if not inp.groups:
             return []
-        by_chunk = dict(zip((g.chunk.request_id for g in inp.groups), inp.sample_rows, strict=True))
-        rows = [by_chunk[c.request_id] for c in chunks if c.sample]
-        return self.head(hidden[rows])
+        last = {g.chunk.request_id: inp.sample_rows[g.first + g.size - 1] for g in inp.groups}
+        return self.head(hidden[[last[c.request_id] for c in chunks if c.sample]])
 
     def _catch_up(self, c: ScheduledChunk) -> ScheduledChunk:
         """The first draft step's chunk for `c`: every position from the first the draft has not computed
         (among those whose blocks the request still holds in every KV group) to its last token."""
         held = _first_held(c) * self.runner.storage.block_size
         start = max(min(self._computed.get(c.request_id, c.start), c.start), held)
-        context = c.prompt_token_ids + c.output_token_ids
-        return dataclasses.replace(
-            c, token_ids=context[start : c.start + 1], start=start, sample=True, draft_token_ids=[]
-        )
+        ids = (c.prompt_token_ids + c.output_token_ids)[start : c.start + 1]
+        # A few missed positions (the last of a run accepted whole) go as decode rows, so the step stays
+        # in the fused decode path; a longer run as one causal chunk.
+        behind = ids[1:] if len(ids) <= _DECODE_ROWS else []
+        return dataclasses.replace(c, token_ids=ids, start=start, sample=True, draft_token_ids=behind)
 
 
 def _first_held(c: ScheduledChunk) -> int:
