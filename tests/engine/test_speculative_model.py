@@ -122,6 +122,26 @@ def test_rejected_drafts_leave_blocks_and_prefix_cache_intact(tiny_models, draft
     assert tokens(eng, again) == [tokens(uncached, [p])[0] for p in again]
 
 
+def test_drafts_catch_up_on_what_was_computed_while_many_ran(tiny_models, draft_models, engine_factory):
+    """Three requests, more than may speculate: no drafts and no draft prefill. Once the shortest finishes,
+    the other two draft, the draft model first computing their whole context, and drafts are accepted."""
+    model = tiny_models["gemma3"]
+    kw = {**method_kw("draft", "gemma3", draft_models), "speculative_max_batch": 2}
+    plain, spec = engine_factory(model), engine_factory(model, **kw)
+    sps = [dataclasses.replace(GREEDY, max_tokens=n) for n in (3, 32, 32)]
+    runs = {}
+    for name, eng in (("plain", plain), ("spec", spec)):
+        for i, (p, sp) in enumerate(zip(PROMPTS, sps, strict=True)):
+            eng.add_request(EngineRequest(f"r{i}", p, sp))
+        outs: dict[str, list[int]] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        runs[name] = outs
+    assert runs["spec"] == runs["plain"]
+    assert drafted_and_accepted(spec)[1] > 0
+
+
 def test_seeded_sampling_gives_the_same_tokens(tiny_models, engine_factory):
     sp = [SamplingParams(max_tokens=24, temperature=0.02, seed=i, ignore_eos=True) for i in range(8)]
     prompts = [COPY] * 8
@@ -138,7 +158,7 @@ def test_unseeded_sampling_keeps_its_distribution(tiny_models, draft_models, eng
     draft = {**method_kw("draft", "llama", draft_models), "speculative_max_batch": 256}
     spec = engine_factory(tiny_models["llama"], **kw, **draft)
     prompt = COPY + tokens(plain, [COPY], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
-    sp = SamplingParams(max_tokens=5, temperature=0.5, ignore_eos=True)
+    sp = SamplingParams(max_tokens=5, temperature=0.02, ignore_eos=True)
     torch.manual_seed(0)
     samples: dict[str, list[tuple[int, ...]]] = {"plain": [], "spec": []}
     for _ in range(6):
@@ -162,8 +182,8 @@ def test_a_head_over_the_frequent_tokens_only(tiny_models, engine_factory):
     proposed: list[int] = []
     fill = spec.runner.draft.fill
 
-    def recording(chunks):
-        filled = fill(chunks)
+    def recording(chunks, prefill):
+        filled = fill(chunks, prefill)
         proposed.extend(t for c in filled for t in c.draft_token_ids)
         return filled
 

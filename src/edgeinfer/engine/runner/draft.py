@@ -9,13 +9,13 @@ Greedy drafts are one-hot, so the verification keeps the output exact at any tem
 The draft's KV lives in storage of its own, laid out as the target's: the same blocks, block size, block
 tables and slot mappings, with the draft's own layer and head shapes. Admission, preemption, prefix caching
 and rollback then need no bookkeeping of their own: a position past the accepted ones is overwritten later,
-as the target's is. The draft computes what it needs lazily: every prompt chunk the target prefills, in
-the same step (so a prefix-cache hit on a prompt finds the draft's KV of those blocks too), and at a
-request's first draft step whatever positions it has not computed since (decode steps without drafts,
-the last token of a run accepted whole), before its first draft: as decode rows where they are few, else
-as one causal chunk. Draft KV that is
-missing or stale (a cached block some decode wrote while no one drafted) only lowers the acceptance rate:
-the target's verification decides every token.
+as the target's is. The draft computes what it needs lazily. While few requests run (no more than may
+speculate), it prefills every prompt chunk the target prefills, in the same step, so a prefix-cache hit on a
+prompt finds the draft's KV of those blocks too; while many run, none drafts and it prefills nothing. At a
+request's first draft step it computes whatever positions it has not computed (a prompt prefilled while
+many ran, decode steps without drafts, the last token of a run accepted whole): as decode rows where they are
+few, else as one causal chunk. Draft KV that is missing or stale (a cached block written while the draft
+was not prefilling) only lowers the acceptance rate: the target's verification decides every token.
 """
 
 from __future__ import annotations
@@ -47,15 +47,19 @@ class DraftRunner:
             self._computed.pop(rid, None)
 
     @torch.inference_mode()
-    def fill(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """`chunks` with every pending draft proposed; prompt chunks prefilled into the draft's KV."""
+    def fill(self, chunks: list[ScheduledChunk], prefill: bool = True) -> list[ScheduledChunk]:
+        """`chunks` with every pending draft proposed; with `prefill`, their prompt chunks prefilled into
+        the draft's KV (without, as while many requests run and none drafts, a request's first draft
+        catches up on its context)."""
         drafting = [c for c in chunks if c.draft_token_ids and c.draft_token_ids[0] == PENDING]
-        prefills = [dataclasses.replace(c, sample=False) for c in chunks if not c.is_decode]
+        prefills = [dataclasses.replace(c, sample=False) for c in chunks if not c.is_decode and prefill]
         if not drafting and not prefills:
             return chunks
         first = self._step([self._catch_up(c) for c in drafting] + prefills)
         for c in prefills:
-            self._computed[c.request_id] = c.start + c.num_tokens
+            # a first chunk past the start is a prefix-cache hit: blocks a prompt prefill wrote, draft too
+            if self._computed.get(c.request_id, c.start) >= c.start:
+                self._computed[c.request_id] = c.start + c.num_tokens
         drafts = {c.request_id: [t] for c, t in zip(drafting, first, strict=True)}
         for j in range(1, max((len(c.draft_token_ids) for c in drafting), default=0)):
             live = [c for c in drafting if len(c.draft_token_ids) > j]
@@ -79,7 +83,7 @@ class DraftRunner:
         """The first draft step's chunk for `c`: every position from the first the draft has not computed
         (among those whose blocks the request still holds in every KV group) to its last token."""
         held = _first_held(c) * self.runner.storage.block_size
-        start = max(min(self._computed.get(c.request_id, c.start), c.start), held)
+        start = max(min(self._computed.get(c.request_id, 0), c.start), held)
         ids = (c.prompt_token_ids + c.output_token_ids)[start : c.start + 1]
         # A few missed positions (the last of a run accepted whole) go as decode rows, so the step stays
         # in the fused decode path; a longer run as one causal chunk.

@@ -104,7 +104,7 @@ class ModelRunner:
             return RunnerOutput()
         self.num_steps += 1
         # a draft model's drafts are proposed now, in place of the places the scheduler reserved
-        chunks = self.draft.fill(sched.chunks) if self.draft is not None else sched.chunks
+        chunks = self.draft.fill(sched.chunks, sched.few_running) if self.draft is not None else sched.chunks
         inp = build_inputs(chunks, self.storage.block_size, self.device)
         pending_masks = self.grammar.start_masks(inp.groups) if self.grammar is not None else None
         hidden = self.forward(inp)

@@ -215,6 +215,8 @@ class Scheduler:
             self._fair_prefill(prefills, budget, admit, scheduled, out, hold)
         elif admit:
             self._admit(budget, scheduled, out, hold)
+        # few enough requests run that their decodes will draft: a draft model prefills their prompts now
+        out.few_running = spec is not None and len(self.running) <= spec.max_batch
         out.finished = self._finished
         self._finished = []
         self._batch_served = sum(self.requests[c.request_id].is_batch for c in out.chunks)
