@@ -63,6 +63,7 @@ class Drafter(ABC):
     extra rows per step."""
 
     source: str
+    in_runner = False  # a model in the runner proposes the drafts (ModelDrafter)
 
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
@@ -164,6 +165,7 @@ class ModelDrafter(Drafter):
     are greedy, so one-hot, and the verification rule keeps the output exact at any temperature."""
 
     source = "draft"
+    in_runner = True
 
     def propose(self, req: Request, limit: int) -> list[int]:
         return [PENDING] * max(limit, 0)
