@@ -47,7 +47,7 @@ OURS = {
     "edgeinfer": [],
     "edgeinfer, ngram (k=8)": ["--speculative-method", "ngram"],
     "edgeinfer, ngram (k=16)": ["--speculative-method", "ngram", "--num-speculative-tokens", "16"],
-    # self-speculation: the model's own int4 form drafts, its head over the 16,384 most frequent tokens
+    # self-speculation: the model's own int4 form drafts, its head over the 65,536 most frequent tokens
     "edgeinfer, self (k=8)": ["--speculative-method", "self"],
     "edgeinfer, self (k=4)": ["--speculative-method", "self", "--num-speculative-tokens", "4"],
 }

@@ -219,7 +219,7 @@ def test_config_refuses_bad_draft_settings(tiny_models):
 
 @pytest.mark.gemma
 def test_default_model_greedy_equal_with_self_speculation(default_gguf, engine_factory):
-    """Gemma 3 270M in bf16, its int4 form drafting over its 16,384 most frequent tokens: the same tokens as
+    """Gemma 3 270M in bf16, its int4 form drafting over its 65,536 most frequent tokens: the same tokens as
     without speculation (the request's opt-out), on a copy and on open text, with drafts accepted."""
     kw = dict(dtype="bfloat16", num_kv_blocks=64, block_size=16, max_num_batched_tokens=1024)
     eng = engine_factory(str(default_gguf), **kw, speculative_method="self")

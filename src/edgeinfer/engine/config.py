@@ -133,7 +133,7 @@ class EngineConfig:
     # (runner/draft.py, runner/draft_head.py). None: off.
     speculative_method: str | None = None
     draft_model: str | None = None
-    draft_vocab_size: int = 16384
+    draft_vocab_size: int = 65536
     num_speculative_tokens: int = 8
     ngram_min: int = 2
     ngram_max: int = 4

@@ -50,8 +50,7 @@ def build_draft_runner(
     runner = ModelRunner(model, storage, device, backend=config.attention_backend, decode_ops=limits)
     corpus = tokenizer.encode(corpus_text(), add_special_tokens=False)
     ids = frequent_tokens(corpus, set(tokenizer.eos_token_ids), tokenizer.vocab_size, config.draft_vocab_size)
-    gemv_rows = kernel_limits.bf16_gemv_rows if limits is not None else 0
-    head = DraftHead(model, tokenizer.vocab_size, ids, gemv_rows)
+    head = DraftHead(model, tokenizer.vocab_size, ids, cpu_gemv=limits is not None)
     log.info(
         "draft model %s (%s): %.0f MiB of weights, head over %d tokens, fused decode step: %s",
         draft_config.model,
