@@ -3,7 +3,9 @@ n-gram drafting on a copy-heavy prompt (a passage given twice, a third copy begu
 (a chat question), and 32 concurrent streams' throughput with ours on and off.
 
 Gemma 3 270M at bf16 on both sides: ours `edgeinfer serve` (bf16 from the default Q4_K_M GGUF), without
-and with `--speculative-method ngram` (its default 8-token drafts, and 16); llama-server on the BF16
+and with `--speculative-method ngram` (its default 8-token drafts, and 16) and `self` (its own int4 form
+drafting, 8 and 4 tokens); no separate draft model of Gemma 3's vocabulary is at hand offline (270M is the
+smallest Gemma 3), so there is no `draft` row; llama-server on the BF16
 GGUF llama-quantize makes of the same file, without speculation and with each of its n-gram drafters
 (`--spec-type ngram-simple`, `ngram-mod`, `ngram-map-k`, their default sizes). Each server at the
 machine's default thread count, one at a time; greedy, `ignore_eos`. Decode speed: (completion tokens - 1)
@@ -45,6 +47,9 @@ OURS = {
     "edgeinfer": [],
     "edgeinfer, ngram (k=8)": ["--speculative-method", "ngram"],
     "edgeinfer, ngram (k=16)": ["--speculative-method", "ngram", "--num-speculative-tokens", "16"],
+    # self-speculation: the model's own int4 form drafts, its head over the 65,536 most frequent tokens
+    "edgeinfer, self (k=8)": ["--speculative-method", "self"],
+    "edgeinfer, self (k=4)": ["--speculative-method", "self", "--num-speculative-tokens", "4"],
 }
 LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k")
 PASSAGE = (
@@ -145,10 +150,14 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     threads = os.cpu_count() or 1
     rows: dict[str, dict[str, float]] = {}
     for name, extra in OURS.items():
+        if args.only is not None and name != "edgeinfer" and name not in args.only:
+            continue
         with our_server(MODEL, PORT, extra, threads) as server:
             rows[name] = single_stream(server.base_url, args.tokens, args.repeats)
             rows[name]["concurrent"] = concurrent_rate(server.base_url, args.concurrent_tokens, args.repeats)
         print(name, rows[name], f"load {os.getloadavg()[0]:.1f}", flush=True)
+    if args.ours_only:
+        return rows
     gguf = peers.peer_gguf("bf16", resolve_default_model())
     for spec_type in (None, *LLAMA_SPEC_TYPES):
         name = f"llama.cpp, {spec_type}" if spec_type else "llama.cpp"
@@ -170,7 +179,8 @@ def table(rows: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
         f"its default thread count, one at a time; 1-min load average {os.getloadavg()[0]:.1f} after (the "
         "machine is shared with other work).",
         "Model: Gemma 3 270M. Ours: `edgeinfer serve` (bf16 from the default GGUF), `--speculative-method "
-        "ngram` (n-gram 2..4, `--num-speculative-tokens` k) where named; llama.cpp: llama-server "
+        "ngram` (n-gram 2..4, `--num-speculative-tokens` k) or `self` (the model's int4 form drafts) where "
+        "named; llama.cpp: llama-server "
         f"(llama-cpp-python {peers.LLAMA_CPP_PYTHON_VERSION}) on the BF16 GGUF of the same file, "
         "`--spec-type` as named at its default sizes. One stream, greedy, "
         f"{args.tokens} tokens, best of {args.repeats}: "
@@ -198,7 +208,11 @@ def main() -> None:
     ap.add_argument("--concurrent-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--ours-only", action="store_true", help="skip llama-server (not for --write-docs)")
+    ap.add_argument("--only", nargs="*", default=None, help="of ours, these rows only (and the plain one)")
     args = ap.parse_args()
+    if args.write_docs and (args.ours_only or args.only is not None):
+        ap.error("--write-docs needs every row")
     peers.build()
     rows = measure(args)
     text = table(rows, args)

@@ -22,8 +22,9 @@ FLAGS = [
     "--batch-window-ms", "0", "--scheduling-policy", "priority",
     "--no-prefix-caching", "--no-tenant-shares", "--attention-backend", "torch",
     "--mla-mode", "expand", "--compile", "--no-prepared-cache", "--cache-dir", "/tmp/edgeinfer-cache",
-    "--threads", "3", "--speculative-method", "ngram", "--num-speculative-tokens", "7", "--ngram-min", "1",
-    "--ngram-max", "5", "--speculative-max-batch", "2",
+    "--threads", "3", "--speculative-method", "draft", "--num-speculative-tokens", "7", "--ngram-min", "1",
+    "--ngram-max", "5", "--speculative-max-batch", "2", "--draft-model", "/tmp/draft",
+    "--draft-vocab-size", "512",
 ]  # fmt: skip
 EXPECTED = EngineConfig(
     device="cuda",
@@ -52,11 +53,13 @@ EXPECTED = EngineConfig(
     compile=True,
     prepared_cache=False,
     cache_dir="/tmp/edgeinfer-cache",
-    speculative_method="ngram",
+    speculative_method="draft",
     num_speculative_tokens=7,
     ngram_min=1,
     ngram_max=5,
     speculative_max_batch=2,
+    draft_model="/tmp/draft",
+    draft_vocab_size=512,
 )
 UNCALIBRATED = ["--quantization", "int8", "--no-calibrate"]
 # Fields no engine flag sets: the model (serve names a pool of them), the KV layout and pool size (tests and

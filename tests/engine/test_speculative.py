@@ -7,11 +7,11 @@ without it."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 
 import pytest
 import torch
+from helpers.distribution import chi_square_critical, two_sample_chi_square
 from helpers.tiny_models import make_tiny
 
 from edgeinfer.engine.kv_cache.hashing import iter_hashes
@@ -109,22 +109,6 @@ def test_seeded_sampling_gives_the_same_tokens(tiny_models, engine_factory):
     assert 0 < accepted < drafted
 
 
-def _chi_square_critical(dof: int, alpha_z: float = 3.09) -> float:
-    """The chi-square quantile at z (3.09: p = 0.001) by Wilson–Hilferty."""
-    k = dof
-    return k * (1 - 2 / (9 * k) + alpha_z * math.sqrt(2 / (9 * k))) ** 3
-
-
-def _two_sample_chi_square(a: Counter, b: Counter) -> tuple[float, int]:
-    """Pearson's statistic for equal distributions (equal sample sizes), rare outcomes pooled."""
-    keys = [k for k in a.keys() | b.keys() if a[k] + b[k] >= 10]
-    rest_a = sum(a.values()) - sum(a[k] for k in keys)
-    rest_b = sum(b.values()) - sum(b[k] for k in keys)
-    pairs = [(a[k], b[k]) for k in keys] + ([(rest_a, rest_b)] if rest_a + rest_b else [])
-    stat = sum((x - y) ** 2 / (x + y) for x, y in pairs)
-    return stat, len(pairs) - 1
-
-
 def test_unseeded_sampling_keeps_its_distribution(tiny_models, engine_factory):
     """Many samples of the first tokens after a copy-heavy prompt, with and without speculation: per position
     and jointly, the same distribution (a rule that kept a mismatched draft 3 times in 10 fails here)."""
@@ -144,8 +128,8 @@ def test_unseeded_sampling_keeps_its_distribution(tiny_models, engine_factory):
     for cut in (*(slice(i, i + 1) for i in range(5)), slice(0, 3)):
         a = Counter(s[cut] for s in samples["plain"])
         b = Counter(s[cut] for s in samples["spec"])
-        stat, dof = _two_sample_chi_square(a, b)
-        assert dof >= 2 and stat < _chi_square_critical(dof), (
+        stat, dof = two_sample_chi_square(a, b)
+        assert dof >= 2 and stat < chi_square_critical(dof), (
             cut,
             stat,
             dof,

@@ -196,3 +196,36 @@ def _randomize_norms(model: torch.nn.Module) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.0 if "gemma" in type(model).__name__.lower() else 1.0, 0.1)
+
+
+def make_draft(target: Path, path: Path, keep: list[int], noise: float, **overrides: Any) -> Path:
+    """A draft model for `target` (a checkpoint of make_tiny): its layers `keep` only, every weight perturbed
+    by `noise` times its own scale, its config changed by `overrides`; the target's tokenizer files. It
+    agrees with the target often but not always, as a small model of the same family does."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (target / name).exists():
+            shutil.copy(target / name, path / name)
+    config = json.loads((target / "config.json").read_text())
+    config.update(num_hidden_layers=len(keep), **overrides)
+    if "layer_types" in config and "layer_types" not in overrides:
+        config["layer_types"] = [config["layer_types"][i] for i in keep]
+    (path / "config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(1)
+    renumber = {f"layers.{old}.": f"layers.{new}." for new, old in enumerate(keep)}
+    tensors = {}
+    for name, t in load_file(target / "model.safetensors").items():
+        if ".layers." in name:
+            layer = name.split(".layers.")[1].split(".")[0]
+            if int(layer) not in keep:
+                continue
+            name = name.replace(f"layers.{layer}.", renumber[f"layers.{layer}."])
+        jitter = noise * t.std() * torch.randn(t.shape, generator=generator) if t.numel() > 1 else 0
+        tensors[name] = t + jitter
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path

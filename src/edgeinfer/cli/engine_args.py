@@ -93,6 +93,8 @@ def engine_config(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Engin
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         speculative_max_batch=args.speculative_max_batch,
+        draft_model=args.draft_model,
+        draft_vocab_size=args.draft_vocab_size,
     )
 
 
@@ -288,9 +290,21 @@ def _add_speculative(group: argparse._ActionsContainer) -> None:
         "--speculative-method",
         default=_DEFAULTS.speculative_method,
         choices=list(DRAFTERS),
-        help="speculative decoding: ngram drafts a decoding request's next tokens from its own prompt and "
-        "output and verifies them in one step (the same tokens, several per step where the output repeats "
-        "its context); default: off",
+        help="speculative decoding: drafts a decoding request's next tokens and verifies them in one step "
+        "(the same tokens, several per step where the drafts are right). ngram: from its own prompt and "
+        "output; self: by the model's own int4 form (for a bf16 or int8 model); draft: by --draft-model; "
+        "default: off",
+    )
+    group.add_argument(
+        "--draft-model",
+        default=_DEFAULTS.draft_model,
+        help="draft: the draft model (a checkpoint directory or file, the served model's vocabulary)",
+    )
+    group.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=_DEFAULTS.draft_vocab_size,
+        help="self / draft: the draft head covers this many of the most frequent tokens (%(default)s)",
     )
     group.add_argument(
         "--num-speculative-tokens",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from edgeinfer.engine.attention.registry import (
@@ -11,7 +12,7 @@ from edgeinfer.engine.attention.registry import (
     MLA_MODES,
     check_name,
 )
-from edgeinfer.engine.scheduler.drafting import DRAFTERS, SpecConfig
+from edgeinfer.engine.scheduler.drafting import DRAFTERS, MODEL_DRAFTERS, SpecConfig
 from edgeinfer.engine.scheduler.queue import SchedulingPolicy
 
 # The models served when none is named (the loader fetches them from PyPI on first use: model/loader/).
@@ -126,8 +127,13 @@ class EngineConfig:
     # verifies them in the step: the same tokens as without it (greedy, and seeded sampling alike; the
     # distribution of unseeded sampling), several per step where the output repeats its context. No
     # request speculates in a step where more than `speculative_max_batch` requests decode (a big batch
-    # already uses the machine; extra rows would cost it). None: off.
+    # already uses the machine; extra rows would cost it). `self`: the model's own int4 form drafts
+    # (for a bf16 or int8 model); `draft`: `draft_model`, a small model of the same vocabulary, drafts.
+    # Either draft model proposes its greedy tokens over its `draft_vocab_size` most frequent tokens
+    # (runner/draft.py, runner/draft_head.py). None: off.
     speculative_method: str | None = None
+    draft_model: str | None = None
+    draft_vocab_size: int = 65536
     num_speculative_tokens: int = 8
     ngram_min: int = 2
     ngram_max: int = 4
@@ -164,8 +170,25 @@ class EngineConfig:
             known = ", ".join(DRAFTERS)
             raise ValueError(f"unknown speculative_method {self.speculative_method!r} ({known})")
         self.spec_config()  # refuses bad draft lengths and n-gram sizes
+        self._check_draft()
         check_name(MLA_MODES, self.mla_mode, "MLA mode")
         self._check_weights()
+
+    def _check_draft(self) -> None:
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise ValueError("speculative_method draft and draft_model go together")
+        if self.speculative_method in MODEL_DRAFTERS and self.draft_vocab_size < 1:
+            raise ValueError("draft_vocab_size must be >= 1")
+        if self.speculative_method == "self" and self._weights_method() not in ("", "int8"):
+            raise ValueError("self-speculation drafts by the int4 form of a bf16 or int8 model")
+
+    def draft_config(self) -> EngineConfig:
+        """How the draft model loads: `self`, the served model as int4 (int8 lm_head, as any int4 model);
+        `draft`, the draft model with the served model's settings. The prepared-form cache keeps each."""
+        base = dataclasses.replace(self, speculative_method=None, draft_model=None, compile=False)
+        if self.draft_model is not None:
+            return dataclasses.replace(base, model=self.draft_model, gptq_calibration=None)
+        return dataclasses.replace(base, quantization="int4", lm_head_quantization="auto", weights="auto")
 
     def _check_weights(self) -> None:
         if self.weights not in WEIGHT_FORMS:

@@ -17,6 +17,7 @@ import torch
 from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.cache_dir import cache_root
 from edgeinfer.engine.config import EngineConfig
+from edgeinfer.engine.draft_loading import build_draft_runner
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.kv_cache.hashing import PUBLIC_NAMESPACE, adapter_namespace
@@ -31,6 +32,7 @@ from edgeinfer.engine.runner.interrupt import StepInterrupted
 from edgeinfer.engine.runner.runner import ModelRunner, RunnerOutput
 from edgeinfer.engine.runtime import runtime
 from edgeinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, SchedulingPolicy
+from edgeinfer.engine.scheduler.drafting import MODEL_DRAFTERS
 from edgeinfer.engine.tokenizer import Tokenizer
 from edgeinfer.types import EngineRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from edgeinfer.types.validation import check_prompt
@@ -137,6 +139,9 @@ class LLMEngine:
             guidance_tokenizer=guidance,
             decode_ops=self.runtime.kernels if uses_cpu_gemv(self.model) else None,
         )
+        if config.speculative_method in MODEL_DRAFTERS:
+            limits = self.runtime.kernels
+            self.runner.draft = build_draft_runner(config, self.layout, self.tokenizer, self.device, limits)
         # LoRA adapters by name (engine/lora/): no hooks on the model until the first one is loaded
         self.adapters = AdapterRegistry(self.model, dtype)
         self.runner.lora = self.adapters

@@ -75,3 +75,28 @@ def plan_groups(windows: Sequence[int | None], max_len: int, hybrid: bool = True
         for i in range(0, len(layers), slots)
     ]
     return KVGroups(tuple(groups), slots)
+
+
+def mirror_groups(
+    target: KVGroups, windows: Sequence[int | None], max_len: int, hybrid: bool = True
+) -> KVGroups:
+    """Groups for another model's layers (a draft model's, with these windows) over `target`'s block
+    tables: each layer goes to a group of its own kind, the layers of a kind dealt `target.slots` at a time
+    to its groups in turn; a kind the target lacks goes to a full-attention group, whose blocks cover any
+    window. The same windows give the same groups."""
+    kinds: dict[int | None, list[int]] = {}
+    for i, g in enumerate(target.groups):
+        kinds.setdefault(g.window, []).append(i)
+    layers: list[list[int]] = [[] for _ in target.groups]
+    seen: dict[int | None, int] = {}
+    for layer, window in enumerate(windows):
+        kept = window if hybrid and window is not None and window < max_len else None
+        kind = kept if kept in kinds else None
+        if kind not in kinds:
+            raise ValueError(f"no KV group to mirror for a layer of window {window} (have {target.windows})")
+        order = seen.get(kind, 0)
+        seen[kind] = order + 1
+        own = kinds[kind]
+        layers[own[order // target.slots % len(own)]].append(layer)
+    groups = tuple(KVGroup(g.window, tuple(ls)) for g, ls in zip(target.groups, layers, strict=True))
+    return KVGroups(groups, max(1, *(len(ls) for ls in layers)))

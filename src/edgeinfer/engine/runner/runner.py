@@ -26,6 +26,7 @@ from edgeinfer.types import TokenLogprob
 
 if TYPE_CHECKING:
     from edgeinfer.engine.lora import AdapterRegistry
+    from edgeinfer.engine.runner.draft import DraftRunner
 
 log = logging.getLogger(__name__)
 
@@ -88,34 +89,25 @@ class ModelRunner:
         self.num_steps = 0
         self._logits: torch.Tensor | None = None
         self.lora: AdapterRegistry | None = None  # set by the engine
+        self.draft: DraftRunner | None = None  # set by the engine for a draft model's speculation
         self.interrupt = StepInterrupt()  # armed by the engine for a batch-only step
         self.interrupt.watch(model.model.layers)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.sampler.forget(sched.finished)
+        if self.draft is not None:
+            self.draft.forget(sched.finished)
         if self.grammar is not None:
             self.grammar.forget(sched.finished)
         if sched.is_empty:
             return RunnerOutput()
         self.num_steps += 1
-        inp = build_inputs(sched.chunks, self.storage.block_size, self.device)
+        # a draft model's drafts are proposed now, in place of the places the scheduler reserved
+        chunks = self.draft.fill(sched.chunks, sched.few_running) if self.draft is not None else sched.chunks
+        inp = build_inputs(chunks, self.storage.block_size, self.device)
         pending_masks = self.grammar.start_masks(inp.groups) if self.grammar is not None else None
-        self.backend.begin(inp.attn)
-        all_decode = inp.attn.num_decodes == inp.attn.num_seqs
-        lora = self.lora.begin_step(inp.chunks) if self.lora is not None else None
-        if self.fused is not None and all_decode:  # adds the adapters' deltas itself
-            fused = self.fused(inp.input_ids, inp.positions, inp.attn, self.interrupt.stop_flag(), lora)
-            if fused is None:
-                raise StepInterrupted
-            hidden = fused
-        elif self.compiled is not None and lora is None:
-            # adapter deltas ride on the modules' forward hooks (engine/lora/apply.py), which a compiled
-            # graph never calls: a step with adapter rows runs eagerly, base rows included
-            single_decode = all_decode and inp.attn.num_seqs == 1
-            hidden = self.compiled(inp.input_ids, inp.positions, self.backend, single_decode)
-        else:
-            hidden = self.model(inp.input_ids, inp.positions, self.backend)
+        hidden = self.forward(inp)
         out = RunnerOutput()
         if inp.sample_rows:
             rows = hidden[inp.sample_rows]
@@ -127,6 +119,23 @@ class ModelRunner:
         if inp.prompt_logprob_rows:
             out.prompt_logprobs = self._prompt_logprobs(hidden, inp)
         return out
+
+    def forward(self, inp: StepInputs) -> torch.Tensor:
+        """The step's hidden states (final norm applied), one row per input token."""
+        self.backend.begin(inp.attn)
+        all_decode = inp.attn.num_decodes == inp.attn.num_seqs
+        lora = self.lora.begin_step(inp.chunks) if self.lora is not None else None
+        if self.fused is not None and all_decode:  # adds the adapters' deltas itself
+            fused = self.fused(inp.input_ids, inp.positions, inp.attn, self.interrupt.stop_flag(), lora)
+            if fused is None:
+                raise StepInterrupted
+            return fused
+        if self.compiled is not None and lora is None:
+            # adapter deltas ride on the modules' forward hooks (engine/lora/apply.py), which a compiled
+            # graph never calls: a step with adapter rows runs eagerly, base rows included
+            single_decode = all_decode and inp.attn.num_seqs == 1
+            return self.compiled(inp.input_ids, inp.positions, self.backend, single_decode)
+        return self.model(inp.input_ids, inp.positions, self.backend)
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """fp32 `[rows, vocab]`, reused across steps (the sampler keeps nothing past a step). A fresh

@@ -10,6 +10,10 @@ occurrence of the request's last n tokens (n from `ngram_max` down to `ngram_min
 and propose the tokens that followed it. Copy-heavy work (extracting or rewriting a given text, code edits,
 answers quoting their context, repeated passages) drafts long runs that are accepted whole.
 
+`self` and `draft` (a draft model: the served model's own int4 form, or a separate small model of the same
+vocabulary): the scheduler only reserves the drafts' places (`PENDING` tokens, with KV blocks for them);
+the runner fills them with the draft model's greedy tokens before verifying (runner/draft.py).
+
 No torch: proposals are plain lists of token ids.
 """
 
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from edgeinfer.engine.scheduler.request import Request
 
 _ITEM = 4  # bytes per token id in a request's search buffer (int32)
+PENDING = -1  # a draft token the runner's draft model has yet to propose
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +63,7 @@ class Drafter(ABC):
     extra rows per step."""
 
     source: str
+    in_runner = False  # a model in the runner proposes the drafts (ModelDrafter)
 
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
@@ -154,7 +160,25 @@ def _ids(raw: bytes | bytearray) -> list[int]:
     return data.tolist()
 
 
-DRAFTERS: dict[str, type[Drafter]] = {"ngram": NgramDrafter}
+class ModelDrafter(Drafter):
+    """Drafts by a model that runs in the runner: proposes `limit` places for it to fill. Its proposals
+    are greedy, so one-hot, and the verification rule keeps the output exact at any temperature."""
+
+    source = "draft"
+    in_runner = True
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        return [PENDING] * max(limit, 0)
+
+
+class SelfDrafter(ModelDrafter):
+    """The served model's own int4 form drafts (self-speculation)."""
+
+    source = "self"
+
+
+DRAFTERS: dict[str, type[Drafter]] = {"ngram": NgramDrafter, "self": SelfDrafter, "draft": ModelDrafter}
+MODEL_DRAFTERS = ("self", "draft")  # methods whose drafts a model in the runner proposes
 
 
 def make_drafter(config: SpecConfig | None) -> Drafter | None:

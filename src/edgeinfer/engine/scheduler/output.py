@@ -52,6 +52,8 @@ class SchedulerOutput:
     finished: list[str] = field(default_factory=list)  # requests the runner may forget (generators, ...)
     # batch-lane work only: interactive work arriving meanwhile may stop the step (runner/interrupt.py)
     interruptible: bool = False
+    # speculation is on and no more requests run than may speculate (runner/draft.py prefills for them)
+    few_running: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -205,7 +205,11 @@ class Scheduler:
         ordered = sorted(running, key=lambda r: (r.is_prefilling, r.is_batch))
         prefills = [r for r in ordered if r.is_prefilling]
         spec = self.config.speculative
-        self._speculate = spec is not None and len(ordered) - len(prefills) <= spec.max_batch
+        # A draft model's k steps would lengthen a step that prefills others too: it drafts only while few
+        # requests run at all, when it also prefills their prompts (`few_running`).
+        model_drafts = self.drafter is not None and self.drafter.in_runner
+        busy = len(self.running) if model_drafts else len(ordered) - len(prefills)
+        self._speculate = spec is not None and busy <= spec.max_batch
         for req in ordered if not self.config.fair_share else ordered[: len(ordered) - len(prefills)]:
             if budget == 0:
                 break
@@ -215,6 +219,8 @@ class Scheduler:
             self._fair_prefill(prefills, budget, admit, scheduled, out, hold)
         elif admit:
             self._admit(budget, scheduled, out, hold)
+        # few enough requests run that their decodes will draft: a draft model prefills their prompts now
+        out.few_running = spec is not None and len(self.running) <= spec.max_batch
         out.finished = self._finished
         self._finished = []
         self._batch_served = sum(self.requests[c.request_id].is_batch for c in out.chunks)
