@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.distribution import chi_square_critical, two_sample_chi_square
-from helpers.tiny_models import make_draft
+from helpers.tiny_models import make_draft, make_tiny
 from test_speculative import COPY, GREEDY, PASSAGE, PROMPTS
 
 from edgeinfer.engine.config import EngineConfig
@@ -84,6 +84,17 @@ def test_greedy_tokens_equal_without_speculation(
     assert set(spec.stats().spec_drafted_by_source) == {method}
     if dtype == "bfloat16":  # the draft's decode steps and the verifying ones through the fused step
         assert spec.runner.draft.runner.fused is not None and spec.runner.fused is not None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+def test_self_speculation_keeps_the_moe_families_greedy_tokens(family, tmp_path_factory, engine_factory):
+    """The mixture-of-experts families (Kimi's MLA layout among them) draft by their own int4 form too."""
+    model = str(make_tiny(family, tmp_path_factory.mktemp("self-moe") / family))
+    plain = engine_factory(model)
+    spec = engine_factory(model, **SELF)
+    assert tokens(spec, PROMPTS) == [tokens(plain, [p])[0] for p in PROMPTS]
+    drafted, accepted = drafted_and_accepted(spec)
+    assert drafted > 0 and accepted > 0
 
 
 @pytest.mark.parametrize("method", ["self", "draft"])
