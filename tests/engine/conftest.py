@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from helpers.tiny_models import MOE_FAMILIES, make_tiny
 
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.engine import LLMEngine
@@ -27,3 +29,19 @@ def engine_factory():
         assert not eng.has_unfinished_requests()
         eng.check_integrity()
         assert eng.scheduler.kv.tables == {}
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny models: on a shared 2-core machine a second intra-op thread mostly spin-waits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, str]:
+    """Tiny checkpoints of the mixture-of-experts families, by family."""
+    root = tmp_path_factory.mktemp("moe")
+    return {f: str(make_tiny(f, root / f)) for f in MOE_FAMILIES}

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 from helpers.distribution import chi_square_critical, two_sample_chi_square
-from helpers.tiny_models import make_tiny
+from helpers.tiny_models import MOE_FAMILIES
 
 from edgeinfer.engine.kv_cache.hashing import iter_hashes
 from edgeinfer.engine.kv_cache.manager import blocks_for
@@ -30,22 +30,7 @@ COPY = list(range(40, 56)) * 2 + list(range(40, 46))
 TRAP = [50, 60, 60, 70, 71, 72, 73, *range(100, 124), 50, 60]
 PROMPTS = [COPY, [7, 8, 9], TRAP]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These models are tiny: on a shared 2-core machine a second intra-op thread mostly spin-waits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def moe_models(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("spec-moe")
-    return {f: str(make_tiny(f, root / f)) for f in MOE_FAMILIES}
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(family: str, tiny_models: dict[str, str], moe_models: dict[str, str]) -> str:

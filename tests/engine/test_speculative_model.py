@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.distribution import chi_square_critical, two_sample_chi_square
-from helpers.tiny_models import make_draft, make_tiny
+from helpers.tiny_models import MOE_FAMILIES, make_draft
 from test_speculative import COPY, GREEDY, PASSAGE, PROMPTS
 
 from edgeinfer.engine.config import EngineConfig
@@ -33,14 +33,7 @@ DRAFT_SHAPES: dict[str, dict] = {
     "qwen3": dict(keep=[0]),
     "gemma3": dict(keep=[0, 2], sliding_window=4),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +79,10 @@ def test_greedy_tokens_equal_without_speculation(
         assert spec.runner.draft.runner.fused is not None and spec.runner.fused is not None
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
-def test_self_speculation_keeps_the_moe_families_greedy_tokens(family, tmp_path_factory, engine_factory):
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_self_speculation_keeps_the_moe_families_greedy_tokens(family, moe_models, engine_factory):
     """The mixture-of-experts families (Kimi's MLA layout among them) draft by their own int4 form too."""
-    model = str(make_tiny(family, tmp_path_factory.mktemp("self-moe") / family))
+    model = moe_models[family]
     plain = engine_factory(model)
     spec = engine_factory(model, **SELF)
     assert tokens(spec, PROMPTS) == [tokens(plain, [p])[0] for p in PROMPTS]

@@ -164,6 +164,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
     ),
 }
+# The mixture-of-experts families, Kimi's MLA layout among them.
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 def make_tiny(
