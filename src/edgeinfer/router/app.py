@@ -60,17 +60,18 @@ class Router:
 
     async def start(self) -> None:
         config = self.config
-        # Placement asks only: requests and status polls go through the data plane's kind of pools.
+        # Placement asks only: requests and status polls go over the data plane's pools (the forwarder's).
         client = await self._stack.enter_async_context(
             httpx.AsyncClient(timeout=httpx.Timeout(config.idle_timeout_s, connect=config.connect_timeout_s))
         )
+        forwarder = Forwarder(config, self.state, self.metrics)
+        self._stack.callback(forwarder.close)
         bus = (
             FleetBus(config, self.state, self.metrics, tenants_digest(self._table))
             if config.nats_url
             else None
         )
-        timeouts = config.connect_timeout_s, config.idle_timeout_s
-        source: FleetBus | PollSource = bus if bus is not None else PollSource(self.state, *timeouts)
+        source: FleetBus | PollSource = bus if bus is not None else PollSource(self.state, forwarder.pools)
         await source.start()
         self._stack.push_async_callback(source.stop)
         placement = None
@@ -78,8 +79,6 @@ class Router:
             placement = PlacementLoop(
                 self.state, client, config.router_secret, config.placement, config.policy
             )
-        forwarder = Forwarder(config, self.state, self.metrics)
-        self._stack.callback(forwarder.close)
         self.service = RouterService(
             config,
             tenants=self.tenants,

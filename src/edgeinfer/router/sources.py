@@ -41,19 +41,15 @@ class NatsSource:
 
 
 class PollSource:
-    """Polls every node every `interval_s`, over kept-alive connections of the data plane's kind
-    (upstream.py): a poll costs the router's event loop tens of microseconds, not the near millisecond of
-    a general HTTP client, during which requests would wait. A node that does not answer keeps its last
-    status, which then ages into stale and dropped like a silent publisher's."""
+    """Polls every node every `interval_s` over the data plane's kept-alive connections to it (`pools`, the
+    forwarder's, by node id): a poll costs the router's event loop tens of microseconds, not the near
+    millisecond of a general HTTP client, during which requests would wait. A node that does not answer
+    keeps its last status, which then ages into stale and dropped like a silent publisher's."""
 
-    def __init__(
-        self, state: FleetState, connect_timeout_s: float, idle_timeout_s: float, interval_s: float = 0.1
-    ) -> None:
+    def __init__(self, state: FleetState, pools: dict[str, NodePool], interval_s: float = 0.1) -> None:
         self._state = state
-        self._connect_timeout_s = connect_timeout_s
-        self._idle_timeout_s = idle_timeout_s
+        self._pools = pools
         self._interval_s = interval_s
-        self._pools: dict[str, NodePool] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -61,14 +57,11 @@ class PollSource:
 
     async def _loop(self) -> None:
         while True:
-            views = list(self._state.nodes.values())
-            await asyncio.gather(*(self._poll(v.entry.url) for v in views))
+            node_ids = list(self._state.nodes)
+            await asyncio.gather(*(self._poll(self._pools[node_id]) for node_id in node_ids))
             await asyncio.sleep(self._interval_s)
 
-    async def _poll(self, url: str) -> None:
-        pool = self._pools.get(url)
-        if pool is None:
-            pool = self._pools[url] = NodePool(url, self._connect_timeout_s, self._idle_timeout_s)
+    async def _poll(self, pool: NodePool) -> None:
         node: NodeConnection | None = None
         try:
             # Up to the drop bound: a slow answer is still fresher than none.
@@ -89,5 +82,3 @@ class PollSource:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for pool in self._pools.values():
-            pool.close()
