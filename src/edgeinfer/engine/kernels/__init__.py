@@ -255,8 +255,8 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("edgeinfer_cpu::lossless_gemv")
-    def _lossless(x: torch.Tensor, sign_mantissa: torch.Tensor, *form: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], sign_mantissa.shape[0]))
+    def _lossless(x: torch.Tensor, low_bytes: torch.Tensor, *form: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], low_bytes.shape[0]))
 
     @torch.library.register_fake("edgeinfer_cpu::lossless_gemv_out")
     def _lossless_out(x: torch.Tensor, *form_and_out: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ struct Limits {
 // and QuantLinear's cpu_w4a8 kernel (int4 codes: int4_gemv) multiply.
 struct Linear {
   at::Tensor weight, codes, scales, zero_terms, bias;
-  at::Tensor sign_mantissa, planes, escapes, offsets, table;  // a lossless form (kernels/lossless.py)
+  at::Tensor low_bytes, planes, escapes, offsets, table;  // a lossless form (kernels/lossless.py)
   int64_t group = 0;
 
   Linear() = default;
@@ -45,7 +45,7 @@ struct Linear {
       weight = t.at(name + ".weight");
       TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2, name, ": weight must be bf16 [N, K]");
     } else if (t.contains(name + ".planes")) {
-      sign_mantissa = get(t, name + ".sign_mantissa");
+      low_bytes = get(t, name + ".low_bytes");
       planes = get(t, name + ".planes");
       escapes = get(t, name + ".escapes");
       offsets = get(t, name + ".offsets");
@@ -69,9 +69,9 @@ struct Linear {
 
   at::Tensor lossless(const at::Tensor& x, const Limits& lim) const {
     if (x.size(0) > lim.gemv_rows)
-      return at::linear(x, edgeinfer_cpu::lossless_decode(x.size(1), sign_mantissa, planes, escapes, offsets, table),
+      return at::linear(x, edgeinfer_cpu::lossless_decode(x.size(1), low_bytes, planes, escapes, offsets, table),
                         bias);
-    const at::Tensor y = edgeinfer_cpu::lossless_gemv(x, sign_mantissa, planes, escapes, offsets, table);
+    const at::Tensor y = edgeinfer_cpu::lossless_gemv(x, low_bytes, planes, escapes, offsets, table);
     return bias.defined() ? y + bias.to(y.scalar_type()) : y;
   }
 };

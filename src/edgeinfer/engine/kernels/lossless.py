@@ -1,15 +1,20 @@
 """Lossless resident bf16 weights: a form that keeps every bit of a bf16 matrix in about 70 % of its bytes and
 that `lossless_gemv` (lossless_gemv.cpp) multiplies where it lies (docs/lossless-weights.md).
 
-A bf16 value is a sign bit, 8 exponent bits and 7 mantissa bits. Sign and mantissa stay raw, one byte a
-weight (the sign in its top bit). The exponents of a trained matrix gather on a few values, so each gets a
-3-bit code: codes 0-6 index the matrix's table of its seven commonest exponents, code 7 escapes to the next
-entry of a list of whole exponents (kept as the bf16 exponent field, `e << 7` in 16 bits, which the kernel
-merges as it is: fewer instructions a block than bytes would need, for a bit or so more in a hundred
-weights). The codes are stored as three bit-planes (uint32) per block of 32 inputs, which decode into a
-vector with a few mask instructions; the escapes of a row follow the previous row's, and `offsets` holds
-where every group of `GROUP` rows begins, so groups decode independently (one thread a group, or one
-embedding row). Rows are padded to whole blocks; the padding decodes to zero and is never read as weight.
+A bf16 value is two bytes: the high one holds the sign and the exponent's top seven bits, the low one the
+exponent's last bit and the mantissa. The low byte stays raw. The high bytes of a trained matrix gather on a
+few values (its exponents on a few neighbours, either sign), so each gets a 3-bit code: codes 0-6 index the
+matrix's table of its seven commonest high bytes, code 7 escapes to the next entry of a list of whole high
+bytes. A block of 64 inputs then decodes with a table lookup over 64 bytes and two byte interleaves (no
+widening, no bit merging): the kernel looks the codes up with `vpermb`, merges the escapes with `vpexpandb`
+and interleaves low and high bytes into two vectors of 32 bf16 values with `vpunpcklbw` / `vpunpckhbw`.
+Those interleave within 128-bit lanes, so a block's bytes are stored in the order that makes the two vectors
+come out as inputs 0-31 and 32-63 (`LANE_ORDER`).
+
+The codes are stored as three bit-planes (int64) per block, which become a code vector with three mask
+instructions; the escapes of a row follow the previous row's, and `offsets` holds where every group of
+`GROUP` rows begins, so groups decode independently (one thread a group, or one embedding row). Rows are
+padded to whole blocks; the kernels never multiply the padding.
 
 `LosslessLinear` and `LosslessEmbedding` hold the form as buffers (the prepared-form cache stores them as
 they are); a tied lm_head and embedding share one form.
@@ -26,23 +31,34 @@ from torch.nn import functional as F
 from edgeinfer.engine.kernels import ops
 from edgeinfer.engine.kernels.bf16 import GemvLinear
 
-BLOCK = 32  # inputs per block of codes (one `vdpbf16ps` chunk)
+BLOCK = 64  # inputs per block of codes (one byte vector; two `vdpbf16ps` chunks)
 GROUP = 16  # rows per escape offset (lossless_gemv.cpp kGroup)
-ESCAPE = 7  # the code whose exponent is in the escape list
-PAD = 32  # entries after the escape list: the kernel reads a whole vector at its cursor
-NAMES = ("sign_mantissa", "planes", "escapes", "offsets", "table")
+ESCAPE = 7  # the code whose high byte is in the escape list
+PAD = 64  # entries after the escape list: the kernel reads a whole vector at its cursor
+NAMES = ("low_bytes", "planes", "escapes", "offsets", "table")
 _CHUNK_VALUES = 1 << 22  # values encoded at once, to bound the int64 temporaries
+
+
+def _lane_order() -> torch.Tensor:
+    """The input each stored byte of a block holds: byte j of 128-bit lane L is input 8L + j (j < 8) or
+    32 + 8L + j - 8, which is where the kernel's low / high byte interleaves put it."""
+    p = torch.arange(BLOCK)
+    lane, j = p // 16, p % 16
+    return torch.where(j < 8, lane * 8 + j, 32 + lane * 8 + j - 8)
+
+
+LANE_ORDER = _lane_order()
 
 
 @dataclass
 class LosslessForm:
     """One bf16 matrix `[N, K]` in the lossless form (module docstring)."""
 
-    sign_mantissa: torch.Tensor  # uint8 [N, Kp], Kp = K rounded up to BLOCK
-    planes: torch.Tensor  # int32 [N, Kp / BLOCK, 3]: bit i of plane b = bit b of input i's code
-    escapes: torch.Tensor  # int16 [escaped values + PAD]: their exponent fields, e << 7
+    low_bytes: torch.Tensor  # uint8 [N, Kp], Kp = K rounded up to BLOCK, each block in LANE_ORDER
+    planes: torch.Tensor  # int64 [N, Kp / BLOCK, 3]: bit p of plane b = bit b of stored byte p's code
+    escapes: torch.Tensor  # uint8 [escaped values + PAD]: their high bytes
     offsets: torch.Tensor  # int64 [ceil(N / GROUP) + 1]
-    table: torch.Tensor  # int16 [8]: exponents of codes 0-6 (entry 7 unused)
+    table: torch.Tensor  # uint8 [8]: high bytes of codes 0-6 (entry 7 unused)
     in_features: int
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -60,61 +76,69 @@ def encode(weight: torch.Tensor) -> LosslessForm:
     bits = weight.detach().contiguous().view(torch.int16)
     table, lookup = _code_table(bits)
     kp = -(-k // BLOCK) * BLOCK
-    sign_mantissa = torch.zeros(n, kp, dtype=torch.uint8)
-    planes = torch.empty(n, kp // BLOCK, 3, dtype=torch.int32)
+    low_bytes = torch.empty(n, kp, dtype=torch.uint8)
+    planes = torch.empty(n, kp // BLOCK, 3, dtype=torch.int64)
     escapes, counts = [], torch.empty(n, dtype=torch.int64)
+    padding = _stored_order((torch.arange(kp) >= k).view(1, -1))[0]
     step = max(1, _CHUNK_VALUES // max(1, kp))
     for r in range(0, n, step):
-        b = bits[r : r + step].to(torch.int32) & 0xFFFF
-        sign_mantissa[r : r + step, :k] = (((b >> 8) & 0x80) | (b & 0x7F)).to(torch.uint8)
-        exponents = (b >> 7) & 0xFF
-        codes = torch.zeros(len(b), kp, dtype=torch.int64)  # the padding: code 0, never an escape
-        codes[:, :k] = lookup[exponents]
-        escaped = codes[:, :k] == ESCAPE
-        escapes.append((exponents[escaped] << 7).to(torch.int16))  # row-major: each row's after the last
+        b = torch.zeros(len(bits[r : r + step]), kp, dtype=torch.int32)
+        b[:, :k] = bits[r : r + step].to(torch.int32) & 0xFFFF
+        b = _stored_order(b)
+        high = b >> 8
+        codes = lookup[high]
+        codes[:, padding] = 0  # the padding: zero low bytes and code 0, never an escape
+        escaped = codes == ESCAPE
+        low_bytes[r : r + step] = (b & 0xFF).to(torch.uint8)
+        escapes.append(high[escaped].to(torch.uint8))  # row-major, stored order: each row's after the last
         counts[r : r + step] = escaped.sum(1)
         planes[r : r + step] = _planes(codes)
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
     offsets = torch.cat([starts[:-1:GROUP], starts[-1:]])
-    listed = torch.cat([*escapes, torch.zeros(PAD, dtype=torch.int16)])
-    return LosslessForm(sign_mantissa, planes, listed, offsets, table, k)
+    listed = torch.cat([*escapes, torch.zeros(PAD, dtype=torch.uint8)])
+    return LosslessForm(low_bytes, planes, listed, offsets, table, k)
+
+
+def _stored_order(values: torch.Tensor) -> torch.Tensor:
+    """`[R, Kp]` in input order -> each block's values in LANE_ORDER."""
+    return values.view(len(values), -1, BLOCK)[:, :, LANE_ORDER].reshape(len(values), -1)
 
 
 def _code_table(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table: int16 [8], the exponents of codes 0-6; lookup: int64 [256], every exponent's code)."""
+    """(table: uint8 [8], the high bytes of codes 0-6; lookup: int64 [256], every high byte's code)."""
     counts = torch.zeros(256, dtype=torch.int64)
     flat = bits.reshape(-1)
     for start in range(0, flat.numel(), _CHUNK_VALUES):
-        exponents = (flat[start : start + _CHUNK_VALUES].to(torch.int32) >> 7) & 0xFF
-        counts += torch.bincount(exponents, minlength=256)
-    # the commonest first; ties by exponent, so the table does not depend on the sort's stability
-    order = sorted(range(256), key=lambda e: (-int(counts[e]), e))[:ESCAPE]
-    table = torch.zeros(8, dtype=torch.int16)
-    table[:ESCAPE] = torch.tensor(order, dtype=torch.int16)
+        high = (flat[start : start + _CHUNK_VALUES].to(torch.int32) >> 8) & 0xFF
+        counts += torch.bincount(high, minlength=256)
+    # the commonest first; ties by value, so the table does not depend on the sort's stability
+    order = sorted(range(256), key=lambda h: (-int(counts[h]), h))[:ESCAPE]
+    table = torch.zeros(8, dtype=torch.uint8)
+    table[:ESCAPE] = torch.tensor(order, dtype=torch.uint8)
     lookup = torch.full((256,), ESCAPE, dtype=torch.int64)
     lookup[order] = torch.arange(ESCAPE)
     return table, lookup
 
 
 def _planes(codes: torch.Tensor) -> torch.Tensor:
-    """int64 codes `[R, Kp]` -> int32 bit-planes `[R, Kp / BLOCK, 3]` (bit i of plane b: bit b of code i)."""
+    """int64 codes `[R, Kp]` -> int64 bit-planes `[R, Kp / BLOCK, 3]` (bit p of plane b: bit b of code p)."""
     blocks = codes.reshape(len(codes), -1, BLOCK)
-    weights = torch.ones(BLOCK, dtype=torch.int64) << torch.arange(BLOCK)
-    planes = torch.stack([(((blocks >> b) & 1) * weights).sum(-1) for b in range(3)], -1)
-    return torch.where(planes >= 2**31, planes - 2**32, planes).to(torch.int32)
+    bit = torch.arange(BLOCK)
+    # sums of distinct powers of two wrap into the sign bit exactly as the uint64 the kernel reads
+    return torch.stack([(((blocks >> b) & 1) << bit).sum(-1) for b in range(3)], -1)
 
 
 def decode(form: LosslessForm) -> torch.Tensor:
     """The exact bf16 matrix back, in torch ops (the reference the kernel's decoding is tested against)."""
-    n, kp = form.sign_mantissa.shape
-    planes = form.planes.to(torch.int64) & 0xFFFFFFFF
-    lanes = torch.arange(BLOCK)
-    codes = sum(((planes[..., b, None] >> lanes) & 1) << b for b in range(3)).reshape(n, kp)
-    exponents = form.table.to(torch.int64)[codes]
+    n, kp = form.low_bytes.shape
+    bit = torch.arange(BLOCK)
+    codes = sum(((form.planes[..., b, None] >> bit) & 1) << b for b in range(3)).reshape(n, kp)
+    high = form.table.to(torch.int64)[codes]
     escaped = codes == ESCAPE
-    exponents[escaped] = form.escapes[: int(escaped.sum())].to(torch.int64) >> 7
-    sm = form.sign_mantissa.to(torch.int64)
-    bits = ((sm & 0x80) << 8) | (exponents << 7) | (sm & 0x7F)
+    high[escaped] = form.escapes[: int(escaped.sum())].to(torch.int64)
+    stored = (high << 8) | form.low_bytes.to(torch.int64)
+    bits = torch.empty_like(stored)
+    bits.view(n, -1, BLOCK)[:, :, LANE_ORDER] = stored.view(n, -1, BLOCK)
     bits = torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16)
     return bits[:, : form.in_features].contiguous().view(torch.bfloat16)
 
@@ -157,7 +181,7 @@ class LosslessLinear(_Holds):
     def __init__(self, form: LosslessForm, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self._hold(form)
-        self.out_features = int(form.sign_mantissa.shape[0])
+        self.out_features = int(form.low_bytes.shape[0])
         self.register_buffer("bias", bias)
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
@@ -191,7 +215,7 @@ class LosslessEmbedding(_Holds):
     def __init__(self, form: LosslessForm) -> None:
         super().__init__()
         self._hold(form)
-        self.num_embeddings = int(form.sign_mantissa.shape[0])
+        self.num_embeddings = int(form.low_bytes.shape[0])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return ops.lossless_rows(ids, self.in_features, *self._args())

@@ -1,21 +1,22 @@
 // bf16 products y[M, N] = x[M, K] @ W[N, K]^T with W held in the lossless resident form of kernels/lossless.py
-// (docs/lossless-weights.md): per weight one byte of sign and mantissa and a 3-bit exponent code, stored as
-// three bit-planes per block of 32 inputs; codes 0-6 index the matrix's table of its seven commonest
-// exponents, code 7 takes the next entry of the escape list (the whole exponent field, 16 bits, so that it
-// merges into the decoded vector as it is). Escapes run row after row; `offsets` gives where each group of
-// kGroup rows starts in the list, so groups decode independently.
+// (docs/lossless-weights.md): per weight its low byte (the exponent's last bit and the mantissa) raw and a
+// 3-bit code for its high byte (the sign and the exponent's top seven bits), stored as three bit-planes per
+// block of 64 inputs; codes 0-6 index the matrix's table of its seven commonest high bytes, code 7 takes the
+// next entry of the escape list. A block's bytes are stored in `LANE_ORDER` (lossless.py). Escapes run row
+// after row; `offsets` gives where each group of kGroup rows starts in the list, so groups decode
+// independently.
 //
-// A block of 32 decodes with a few AVX-512 instructions: the planes become a code vector (three masked
-// adds), the table is a `vpermw`, the escaped lanes take their fields through one merging `vpexpandw` (no
-// branch: about half the blocks of trained weights hold an escape, a branch on them would mispredict), and
-// the sign byte, sign-extended, merges with the exponent in one `vpternlogd`. The decoded block is exactly
-// the bf16 block, and the sums are those of bf16_tiles.cpp in the same order, so the products equal
-// `bf16_gemv`'s bit for bit: one activation row runs the chains of `tile_in_order` on the blocks as they
-// are decoded (one sequential stream per row, fewer bytes than bf16); several rows decode a block of weight
-// rows into a thread's buffer and run bf16_tiles.cpp's tiles on it (`bf16_tiles_rows`).
+// A block of 64 decodes with a few AVX-512 byte instructions: the planes become a code vector (a byte
+// shuffle and a GF(2) affine product that transposes their bits), the table is one `vpermb`, the escaped lanes take their bytes through one merging `vpexpandb` (no
+// branch: most blocks of trained weights hold an escape, a branch on them would mispredict), and
+// `vpunpcklbw` / `vpunpckhbw` interleave low and high bytes into inputs 0-31 and 32-63 as bf16. The decoded
+// block is exactly the bf16 block, and the sums are those of bf16_tiles.cpp in the same order, so the
+// products equal `bf16_gemv`'s bit for bit: one activation row runs the chains of `tile_in_order` on the
+// blocks as they are decoded (one sequential stream per row, fewer bytes than bf16); several rows decode a
+// block of weight rows into a thread's buffer and run bf16_tiles.cpp's tiles on it (`bf16_tiles_rows`).
 //
-// Without AVX512-BF16 and VBMI2 (or under a lower EDGEINFER_CPU_ISA cap) the weight is decoded whole and
-// multiplied by `bf16_gemv_out`: the same sums as the bf16 model's on that CPU, without the savings.
+// Without AVX512-BF16, VBMI/VBMI2 and GFNI (or under a lower EDGEINFER_CPU_ISA cap) the weight is decoded whole
+// and multiplied by `bf16_gemv_out`: the same sums as the bf16 model's on that CPU, without the savings.
 
 #include "isa.h"
 #include "ops.h"
@@ -33,156 +34,228 @@ namespace {
 
 constexpr int64_t kGroup = 16;   // rows per escape offset (kernels/lossless.py GROUP)
 constexpr int64_t kBlock = 80;   // weight rows a task decodes for several activation rows (bf16_tiles kBlock)
-constexpr int kEscape = 7;       // the code of an escaped exponent
+constexpr int64_t kInputs = 64;  // inputs per block of codes (kernels/lossless.py BLOCK)
+constexpr int kEscape = 7;       // the code of an escaped high byte
 constexpr int64_t kGrainBytes = 64 * 1024;
 
 #define EDGEINFER_TARGET_LOSSLESS \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi2,popcnt")))
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx512vbmi2,gfni,popcnt")))
 
 // The form's tensors as raw pointers: `k` inputs a row, `kp` the same rounded up to whole blocks.
 struct Form {
-  const uint8_t* sign_mantissa;  // [n, kp]
-  const uint32_t* planes;        // [n, kp / 32, 3]
-  const uint16_t* escapes;       // the escaped exponents as bf16 fields (e << 7), then 32 of padding
-  const int64_t* offsets;        // [ceil(n / kGroup) + 1]: the first escape of each group of rows
-  const int16_t* table;          // [8]: the exponent of codes 0-6
+  const uint8_t* low_bytes;  // [n, kp], each block in LANE_ORDER
+  const uint64_t* planes;    // [n, kp / 64, 3]
+  const uint8_t* escapes;    // the escaped high bytes, then 64 of padding
+  const int64_t* offsets;    // [ceil(n / kGroup) + 1]: the first escape of each group of rows
+  const uint8_t* table;      // [8]: the high byte of codes 0-6
   int64_t n, k, kp;
 };
 
-void check(const at::Tensor& x, const at::Tensor& sm, const at::Tensor& planes, const at::Tensor& escapes,
+void check(const at::Tensor& x, const at::Tensor& low, const at::Tensor& planes, const at::Tensor& escapes,
            const at::Tensor& offsets, const at::Tensor& table) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "lossless_gemv: x must be bf16 [M, K]");
-  TORCH_CHECK(sm.dim() == 2 && sm.scalar_type() == at::kByte && sm.is_contiguous() && sm.size(1) % 32 == 0 &&
-                  sm.size(1) >= x.size(1) && sm.size(1) < x.size(1) + 32,
-              "lossless_gemv: sign_mantissa must be contiguous uint8 [N, K rounded up to 32]");
-  TORCH_CHECK(planes.scalar_type() == at::kInt && planes.is_contiguous() && planes.numel() == sm.numel() / 32 * 3,
-              "lossless_gemv: planes must be contiguous int32 [N, K / 32, 3]");
-  TORCH_CHECK(escapes.scalar_type() == at::kShort && escapes.dim() == 1 && escapes.is_contiguous(),
-              "lossless_gemv: escapes must be contiguous int16");
-  const int64_t groups = (sm.size(0) + kGroup - 1) / kGroup;
+  TORCH_CHECK(low.dim() == 2 && low.scalar_type() == at::kByte && low.is_contiguous() &&
+                  low.size(1) % kInputs == 0 && low.size(1) >= x.size(1) && low.size(1) < x.size(1) + kInputs,
+              "lossless_gemv: low_bytes must be contiguous uint8 [N, K rounded up to 64]");
+  TORCH_CHECK(planes.scalar_type() == at::kLong && planes.is_contiguous() &&
+                  planes.numel() == low.numel() / kInputs * 3,
+              "lossless_gemv: planes must be contiguous int64 [N, K / 64, 3]");
+  TORCH_CHECK(escapes.scalar_type() == at::kByte && escapes.dim() == 1 && escapes.is_contiguous(),
+              "lossless_gemv: escapes must be contiguous uint8");
+  const int64_t groups = (low.size(0) + kGroup - 1) / kGroup;
   TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == groups + 1,
               "lossless_gemv: offsets must be int64 [ceil(N / 16) + 1]");
-  TORCH_CHECK(table.scalar_type() == at::kShort && table.numel() == 8 && table.is_contiguous(),
-              "lossless_gemv: table must be int16 [8]");
-  TORCH_CHECK(escapes.size(0) >= offsets[groups].item<int64_t>() + 32, "lossless_gemv: escapes lack padding");
+  TORCH_CHECK(table.scalar_type() == at::kByte && table.numel() == 8 && table.is_contiguous(),
+              "lossless_gemv: table must be uint8 [8]");
+  TORCH_CHECK(escapes.size(0) >= offsets[groups].item<int64_t>() + kInputs, "lossless_gemv: escapes lack padding");
 }
 
-Form form_of(int64_t k, const at::Tensor& sm, const at::Tensor& planes, const at::Tensor& escapes,
+Form form_of(int64_t k, const at::Tensor& low, const at::Tensor& planes, const at::Tensor& escapes,
              const at::Tensor& offsets, const at::Tensor& table) {
-  return {sm.data_ptr<uint8_t>(),
-          reinterpret_cast<const uint32_t*>(planes.data_ptr<int32_t>()),
-          reinterpret_cast<const uint16_t*>(escapes.data_ptr<int16_t>()),
+  return {low.data_ptr<uint8_t>(),
+          reinterpret_cast<const uint64_t*>(planes.data_ptr<int64_t>()),
+          escapes.data_ptr<uint8_t>(),
           offsets.data_ptr<int64_t>(),
-          table.data_ptr<int16_t>(),
-          sm.size(0),
+          table.data_ptr<uint8_t>(),
+          low.size(0),
           k,
-          sm.size(1)};
+          low.size(1)};
 }
 
 // The escaped lanes of a block: code 7, all three planes set.
-inline uint32_t escaped(const uint32_t* p) { return p[0] & p[1] & p[2]; }
+inline uint64_t escaped(const uint64_t* p) { return p[0] & p[1] & p[2]; }
+
+// The input a block's stored byte `at` holds (kernels/lossless.py LANE_ORDER).
+inline int64_t input_of(int at) {
+  const int lane = at / 16, j = at % 16;
+  return j < 8 ? lane * 8 + j : 32 + lane * 8 + j - 8;
+}
 
 // The first escape of row `r`: its group's offset plus the escapes of the group's rows before it.
 int64_t row_escape(const Form& f, int64_t r) {
   int64_t at = f.offsets[r / kGroup];
-  const int64_t blocks = f.kp / 32;
+  const int64_t blocks = f.kp / kInputs;
   for (int64_t q = r / kGroup * kGroup; q < r; ++q)
-    for (int64_t b = 0; b < blocks; ++b) at += __builtin_popcount(escaped(f.planes + (q * blocks + b) * 3));
+    for (int64_t b = 0; b < blocks; ++b) at += __builtin_popcountll(escaped(f.planes + (q * blocks + b) * 3));
   return at;
 }
 
 // Row `r` decoded into `out` (k values), plain loops; returns the escape index after it.
 int64_t decode_row_scalar(const Form& f, int64_t r, int64_t esc, uint16_t* out) {
-  const uint8_t* sm = f.sign_mantissa + r * f.kp;
-  const uint32_t* p = f.planes + r * (f.kp / 32) * 3;
-  for (int64_t i = 0; i < f.kp; ++i) {
-    const uint32_t* pb = p + i / 32 * 3;
-    const int lane = i % 32;
-    const int code = ((pb[0] >> lane) & 1) | (((pb[1] >> lane) & 1) << 1) | (((pb[2] >> lane) & 1) << 2);
-    const uint16_t e = code == kEscape ? f.escapes[esc++] : static_cast<uint16_t>((f.table[code] & 0xFF) << 7);
-    if (i < f.k) out[i] = static_cast<uint16_t>(((sm[i] & 0x80) << 8) | e | (sm[i] & 0x7F));
-  }
+  const uint8_t* low = f.low_bytes + r * f.kp;
+  const uint64_t* p = f.planes + r * (f.kp / kInputs) * 3;
+  for (int64_t b = 0; b < f.kp / kInputs; ++b, p += 3)
+    for (int at = 0; at < kInputs; ++at) {
+      const int code = ((p[0] >> at) & 1) | (((p[1] >> at) & 1) << 1) | (((p[2] >> at) & 1) << 2);
+      const uint8_t high = code == kEscape ? f.escapes[esc++] : f.table[code];
+      const int64_t i = b * kInputs + input_of(at);
+      if (i < f.k) out[i] = static_cast<uint16_t>((high << 8) | low[b * kInputs + at]);
+    }
   return esc;
 }
 
 #if EDGEINFER_X86
-// The decoder's constants: the table as bf16 exponent fields (e << 7) in the first 8 lanes.
+// The decoder's constants: the table's high bytes in the first 8 lanes; `spread` and `select` turn a block's
+// three planes into its codes (decode64).
 struct Consts {
-  __m512i table, sign_mantissa, one, two, four;
+  __m512i table, spread, select;
 };
 
 EDGEINFER_TARGET_LOSSLESS inline Consts consts_of(const Form& f) {
-  alignas(64) int16_t lanes[32] = {};
-  for (int i = 0; i < 8; ++i) lanes[i] = static_cast<int16_t>((f.table[i] & 0xFF) << 7);
-  return {_mm512_load_si512(lanes), _mm512_set1_epi16(static_cast<int16_t>(0x807F)), _mm512_set1_epi16(1),
-          _mm512_set1_epi16(2), _mm512_set1_epi16(4)};
+  alignas(64) uint8_t table[64] = {}, spread[64] = {}, select[64];
+  for (int i = 0; i < 8; ++i) table[i] = f.table[i];
+  for (int q = 0; q < 8; ++q)
+    for (int j = 0; j < 8; ++j) {
+      // qword q of the matrices: byte 7 - b is byte q of plane b (the planes' qwords lie at bytes 0, 8, 16)
+      if (j >= 5) spread[q * 8 + j] = static_cast<uint8_t>((7 - j) * 8 + q);
+      select[q * 8 + j] = static_cast<uint8_t>(1u << j);
+    }
+  return {_mm512_load_si512(table), _mm512_load_si512(spread), _mm512_load_si512(select)};
 }
 
-// One block of 32 weights as bf16 bits (lane i = input i); advances `esc` past its escapes.
-EDGEINFER_TARGET_LOSSLESS inline __m512i decode32(const Consts& c, const uint8_t* sm, const uint32_t* p,
-                                                  const uint16_t*& esc) {
-  // the escaped lanes' mask and count in general registers: fewer mask-register operations
-  const uint32_t x = escaped(p);
-  __m512i code = _mm512_maskz_mov_epi16(_cvtu32_mask32(p[0]), c.one);
-  code = _mm512_mask_add_epi16(code, _cvtu32_mask32(p[1]), code, c.two);
-  code = _mm512_mask_add_epi16(code, _cvtu32_mask32(p[2]), code, c.four);
-  __m512i e = _mm512_permutexvar_epi16(code, c.table);
-  e = _mm512_mask_expand_epi16(e, _cvtu32_mask32(x), _mm512_loadu_si512(esc));
-  esc += _mm_popcnt_u32(x);
-  const __m512i s = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
-  return _mm512_ternarylogic_epi32(s, c.sign_mantissa, e, 0xEA);  // (s & 0x807F) | e
+// One block of 64 weights as bf16 bits: inputs 0-31 in `lo`, 32-63 in `hi`; advances `esc` past its escapes.
+EDGEINFER_TARGET_LOSSLESS inline void decode64(const Consts& c, const uint8_t* low, const uint64_t* p,
+                                               const uint8_t*& esc, __m512i& lo, __m512i& hi) {
+  // The codes: lane 8q + j needs bit j of byte q of each plane. One byte shuffle makes qword q an 8 x 8 bit
+  // matrix whose rows 7, 6, 5 are those bytes; `gf2p8affineqb` multiplies it by the one-hot byte 1 << j,
+  // which picks column j: the lane's three bits. (Three masked adds from mask registers cost more: moving
+  // the planes into mask registers is slow.) The escaped lanes' mask and count stay in general registers.
+  const uint64_t x = escaped(p);
+  const __m512i planes = _mm512_maskz_loadu_epi64(0x7, p);
+  const __m512i rows = _mm512_maskz_permutexvar_epi8(0xE0E0E0E0E0E0E0E0ull, c.spread, planes);
+  const __m512i code = _mm512_gf2p8affine_epi64_epi8(c.select, rows, 0);
+  __m512i high = _mm512_permutexvar_epi8(code, c.table);
+  high = _mm512_mask_expand_epi8(high, _cvtu64_mask64(x), _mm512_loadu_si512(esc));
+  esc += _mm_popcnt_u64(x);
+  const __m512i l = _mm512_loadu_si512(low);
+  lo = _mm512_unpacklo_epi8(l, high);
+  hi = _mm512_unpackhi_epi8(l, high);
+}
+
+// The masks of a row's last, partial block: its first 32 inputs and its second 32 (a chunk without any is
+// not multiplied, as bf16_tiles.cpp's chains have no such chunk).
+struct Tail {
+  __mmask32 first, second;
+};
+
+inline Tail tail_of(const Form& f) {
+  const int64_t left = f.k - (f.k & ~(kInputs - 1));
+  const auto mask = [](int64_t n) { return static_cast<__mmask32>(n >= 32 ? ~0u : (1u << n) - 1); };
+  return {mask(left), mask(std::max<int64_t>(0, left - 32))};
 }
 
 // Row `r` decoded into `out` (k values); returns the escape pointer after it.
-EDGEINFER_TARGET_LOSSLESS const uint16_t* decode_row(const Form& f, const Consts& c, int64_t r, const uint16_t* esc,
-                                                     uint16_t* out) {
-  const uint8_t* sm = f.sign_mantissa + r * f.kp;
-  const uint32_t* p = f.planes + r * (f.kp / 32) * 3;
-  const int64_t body = f.k & ~int64_t{31};
+EDGEINFER_TARGET_LOSSLESS const uint8_t* decode_row(const Form& f, const Consts& c, const Tail& t, int64_t r,
+                                                    const uint8_t* esc, uint16_t* out) {
+  const uint8_t* low = f.low_bytes + r * f.kp;
+  const uint64_t* p = f.planes + r * (f.kp / kInputs) * 3;
+  const int64_t body = f.k & ~(kInputs - 1);
+  __m512i lo, hi;
   int64_t i = 0;
-  for (; i < body; i += 32, p += 3) _mm512_storeu_si512(out + i, decode32(c, sm + i, p, esc));
+  for (; i < body; i += kInputs, p += 3) {
+    decode64(c, low + i, p, esc, lo, hi);
+    _mm512_storeu_si512(out + i, lo);
+    _mm512_storeu_si512(out + i + 32, hi);
+  }
   if (i < f.kp) {
-    const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (f.k - body)) - 1);
-    _mm512_mask_storeu_epi16(out + i, tail, decode32(c, sm + i, p, esc));
+    decode64(c, low + i, p, esc, lo, hi);
+    _mm512_mask_storeu_epi16(out + i, t.first, lo);
+    _mm512_mask_storeu_epi16(out + i + 32, t.second, hi);
   }
   return esc;
 }
 
-// One activation row against weight rows [n0, n0 + 16) (fewer at the end), each decoded as it streams by:
-// bf16_tiles.cpp's `tile_in_order`, chain for chain.
-EDGEINFER_TARGET_LOSSLESS void rows_in_order(const Form& f, const Consts& c, const uint16_t* x, int64_t n0,
-                                             float* out_f32, at::BFloat16* out_bf16) {
-  const int64_t nb = std::min<int64_t>(kGroup, f.n - n0), body = f.k & ~int64_t{31};
-  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (f.k - body)) - 1);
-  const uint16_t* esc = f.escapes + f.offsets[n0 / kGroup];
-  __m512 acc[16];
-#pragma GCC unroll 16
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  for (int64_t n = 0; n < nb; ++n) {
-    const uint8_t* sm = f.sign_mantissa + (n0 + n) * f.kp;
-    const uint32_t* p = f.planes + (n0 + n) * (f.kp / 32) * 3;
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t i = 0; i < body; i += 32, p += 3)
-      a = _mm512_dpbf16_ps(a, (__m512bh)decode32(c, sm + i, p, esc), (__m512bh)_mm512_loadu_si512(x + i));
-    if (tail)
-      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_mov_epi16(tail, decode32(c, sm + body, p, esc)),
-                           (__m512bh)_mm512_maskz_loadu_epi16(tail, x + body));
-    acc[n] = a;
+// One chunk of 32 inputs into a row's chain; `mask` zeroes the inputs past the row's end.
+EDGEINFER_TARGET_LOSSLESS inline __m512 chunk(__m512 a, __m512i w, const uint16_t* x) {
+  return _mm512_dpbf16_ps(a, (__m512bh)w, (__m512bh)_mm512_loadu_si512(x));
+}
+EDGEINFER_TARGET_LOSSLESS inline __m512 chunk(__m512 a, __m512i w, const uint16_t* x, __mmask32 mask) {
+  return _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_mov_epi16(mask, w), (__m512bh)_mm512_maskz_loadu_epi16(mask, x));
+}
+
+// Weight row `r` against activation rows [0, M), its blocks decoded once, in registers, and multiplied by
+// every activation row: M chains side by side (each a serial sum in bf16_tiles.cpp's order), whose vectors
+// go to acc[m][n]. Returns the escape pointer after the row. (Two weight rows side by side keep more chains
+// going and are a little faster on a matrix in cache, but much slower on one streamed from memory.)
+template <int M>
+EDGEINFER_TARGET_LOSSLESS const uint8_t* row_direct(const Form& f, const Consts& c, const Tail& t,
+                                                    const uint16_t* x, int64_t r, const uint8_t* esc,
+                                                    __m512 (&acc)[M][16], int64_t n) {
+  const int64_t body = f.k & ~(kInputs - 1), k = f.k;
+  const uint8_t* low = f.low_bytes + r * f.kp;
+  const uint64_t* p = f.planes + r * (f.kp / kInputs) * 3;
+  __m512 a[M];
+  __m512i lo, hi;
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < body; i += kInputs, p += 3) {
+    decode64(c, low + i, p, esc, lo, hi);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) a[m] = chunk(a[m], lo, x + m * k + i);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) a[m] = chunk(a[m], hi, x + m * k + i + 32);
   }
-  const __m512 sums = edgeinfer_cpu::sum_lanes16(acc);
+  if (body < f.kp) {
+    decode64(c, low + body, p, esc, lo, hi);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) a[m] = chunk(a[m], lo, x + m * k + body, t.first);
+    if (t.second)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) a[m] = chunk(a[m], hi, x + m * k + body + 32, t.second);
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) acc[m][n] = a[m];
+  return esc;
+}
+
+// Activation rows [0, M) against weight rows [n0, n0 + 16) (fewer at the end), each weight row decoded as
+// it streams by (for one activation row: bf16_tiles.cpp's `tile_in_order`, chain for chain).
+template <int M>
+EDGEINFER_TARGET_LOSSLESS void rows_direct(const Form& f, const Consts& c, const Tail& t, const uint16_t* x,
+                                           int64_t n0, float* out_f32, at::BFloat16* out_bf16) {
+  const int64_t nb = std::min<int64_t>(kGroup, f.n - n0);
+  const uint8_t* esc = f.escapes + f.offsets[n0 / kGroup];
+  __m512 acc[M][16];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t n = 0; n < nb; ++n) esc = row_direct<M>(f, c, t, x, n0 + n, esc, acc, n);
   const __mmask16 lanes = static_cast<__mmask16>((1u << nb) - 1);
-  if (out_f32)
-    _mm512_mask_storeu_ps(out_f32 + n0, lanes, sums);
-  else
-    _mm256_mask_storeu_epi16(out_bf16 + n0, lanes, edgeinfer_cpu::bf16_bits(sums));
+  for (int m = 0; m < M; ++m) {
+    const __m512 sums = edgeinfer_cpu::sum_lanes16(acc[m]);
+    if (out_f32)
+      _mm512_mask_storeu_ps(out_f32 + m * f.n + n0, lanes, sums);
+    else
+      _mm256_mask_storeu_epi16(out_bf16 + m * f.n + n0, lanes, edgeinfer_cpu::bf16_bits(sums));
+  }
 }
 
 bool fast_variant() {
-  static const bool vbmi2 = [] {
+  static const bool vbmi = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("popcnt");
+    return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2") &&
+           __builtin_cpu_supports("gfni") && __builtin_cpu_supports("popcnt");
   }();
-  return vbmi2 && edgeinfer_cpu::isa_allows(edgeinfer_cpu::Isa::kAvx512Bf16);
+  return vbmi && edgeinfer_cpu::isa_allows(edgeinfer_cpu::Isa::kAvx512Bf16);
 }
 #else
 bool fast_variant() { return false; }
@@ -191,8 +264,9 @@ bool fast_variant() { return false; }
 #if EDGEINFER_X86
 EDGEINFER_TARGET_LOSSLESS void decode_rows_fast(const Form& f, int64_t r0, int64_t r1, uint16_t* out) {
   const Consts c = consts_of(f);
-  const uint16_t* esc = f.escapes + f.offsets[r0 / kGroup];
-  for (int64_t r = r0; r < r1; ++r) esc = decode_row(f, c, r, esc, out + (r - r0) * f.k);
+  const Tail t = tail_of(f);
+  const uint8_t* esc = f.escapes + f.offsets[r0 / kGroup];
+  for (int64_t r = r0; r < r1; ++r) esc = decode_row(f, c, t, r, esc, out + (r - r0) * f.k);
 }
 #endif
 
@@ -216,16 +290,37 @@ at::Tensor decode_all(const Form& f) {
 }
 
 #if EDGEINFER_X86
-EDGEINFER_TARGET_LOSSLESS void gemv_one_row(const Form& f, const at::Tensor& x, at::Tensor& out) {
+// Activation rows up to which weight blocks are multiplied as they are decoded; more rows decode into a
+// buffer for the tiles, whose products then outweigh the decoding.
+constexpr int64_t kDirectRows = 6;
+
+template <int M>
+EDGEINFER_TARGET_LOSSLESS void gemv_direct(const Form& f, const uint16_t* xs, float* out_f32,
+                                           at::BFloat16* out_bf16) {
   const Consts c = consts_of(f);
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  float* out_f32 = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
-  at::BFloat16* out_bf16 = out_f32 ? nullptr : out.data_ptr<at::BFloat16>();
+  const Tail t = tail_of(f);
   const int64_t groups = (f.n + kGroup - 1) / kGroup;
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kGroup * f.kp * 3 / 2));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) rows_in_order(f, c, xs, g * kGroup, out_f32, out_bf16);
+    for (int64_t g = g0; g < g1; ++g) {
+      rows_direct<M>(f, c, t, xs, g * kGroup, out_f32, out_bf16);
+    }
   });
+}
+
+// Up to kDirectRows activation rows, each weight block decoded as it streams by.
+void gemv_few_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  float* out_f32 = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
+  at::BFloat16* out_bf16 = out_f32 ? nullptr : out.data_ptr<at::BFloat16>();
+  switch (x.size(0)) {
+    case 1: return gemv_direct<1>(f, xs, out_f32, out_bf16);
+    case 2: return gemv_direct<2>(f, xs, out_f32, out_bf16);
+    case 3: return gemv_direct<3>(f, xs, out_f32, out_bf16);
+    case 4: return gemv_direct<4>(f, xs, out_f32, out_bf16);
+    case 5: return gemv_direct<5>(f, xs, out_f32, out_bf16);
+    default: return gemv_direct<6>(f, xs, out_f32, out_bf16);
+  }
 }
 
 // Several activation rows: each task decodes its blocks of kBlock weight rows into a buffer and runs the
@@ -252,41 +347,41 @@ void gemv_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
 
 namespace edgeinfer_cpu {
 
-void lossless_gemv_out(const at::Tensor& x, const at::Tensor& sm, const at::Tensor& planes,
+void lossless_gemv_out(const at::Tensor& x, const at::Tensor& low, const at::Tensor& planes,
                        const at::Tensor& escapes, const at::Tensor& offsets, const at::Tensor& table,
                        at::Tensor& out) {
-  check(x, sm, planes, escapes, offsets, table);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == sm.size(0) && out.is_contiguous() &&
+  check(x, low, planes, escapes, offsets, table);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == low.size(0) && out.is_contiguous() &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
               "lossless_gemv: out must be contiguous fp32 or bf16 [M, N]");
-  const Form f = form_of(x.size(1), sm, planes, escapes, offsets, table);
+  const Form f = form_of(x.size(1), low, planes, escapes, offsets, table);
   if (x.size(0) == 0 || f.n == 0) return;
   const at::Tensor xc = x.contiguous();
 #if EDGEINFER_X86
-  if (fast_variant()) return xc.size(0) == 1 ? gemv_one_row(f, xc, out) : gemv_rows(f, xc, out);
+  if (fast_variant()) return xc.size(0) <= kDirectRows ? gemv_few_rows(f, xc, out) : gemv_rows(f, xc, out);
 #endif
   bf16_gemv_out(xc, decode_all(f), out);
 }
 
-at::Tensor lossless_gemv(const at::Tensor& x, const at::Tensor& sm, const at::Tensor& planes,
+at::Tensor lossless_gemv(const at::Tensor& x, const at::Tensor& low, const at::Tensor& planes,
                          const at::Tensor& escapes, const at::Tensor& offsets, const at::Tensor& table) {
-  at::Tensor out = at::empty({x.size(0), sm.size(0)}, x.options());
-  lossless_gemv_out(x, sm, planes, escapes, offsets, table, out);
+  at::Tensor out = at::empty({x.size(0), low.size(0)}, x.options());
+  lossless_gemv_out(x, low, planes, escapes, offsets, table, out);
   return out;
 }
 
 // The bf16 weight [N, K] of a form whose rows hold `k` inputs.
-at::Tensor lossless_decode(int64_t k, const at::Tensor& sm, const at::Tensor& planes, const at::Tensor& escapes,
+at::Tensor lossless_decode(int64_t k, const at::Tensor& low, const at::Tensor& planes, const at::Tensor& escapes,
                            const at::Tensor& offsets, const at::Tensor& table) {
-  check(at::empty({0, k}, at::kBFloat16), sm, planes, escapes, offsets, table);
-  return decode_all(form_of(k, sm, planes, escapes, offsets, table));
+  check(at::empty({0, k}, at::kBFloat16), low, planes, escapes, offsets, table);
+  return decode_all(form_of(k, low, planes, escapes, offsets, table));
 }
 
 // Rows `ids` (any shape, int64) of the bf16 weight -> [*ids.shape, k]: an embedding lookup.
-at::Tensor lossless_rows(const at::Tensor& ids, int64_t k, const at::Tensor& sm, const at::Tensor& planes,
+at::Tensor lossless_rows(const at::Tensor& ids, int64_t k, const at::Tensor& low, const at::Tensor& planes,
                          const at::Tensor& escapes, const at::Tensor& offsets, const at::Tensor& table) {
-  check(at::empty({0, k}, at::kBFloat16), sm, planes, escapes, offsets, table);
-  const Form f = form_of(k, sm, planes, escapes, offsets, table);
+  check(at::empty({0, k}, at::kBFloat16), low, planes, escapes, offsets, table);
+  const Form f = form_of(k, low, planes, escapes, offsets, table);
   const at::Tensor flat = ids.reshape(-1).to(at::kLong).contiguous();
   const int64_t* rows = flat.data_ptr<int64_t>();
   for (int64_t i = 0; i < flat.numel(); ++i)
@@ -305,16 +400,16 @@ at::Tensor lossless_rows(const at::Tensor& ids, int64_t k, const at::Tensor& sm,
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def(
-      "lossless_gemv(Tensor x, Tensor sign_mantissa, Tensor planes, Tensor escapes, Tensor offsets, Tensor table) "
+      "lossless_gemv(Tensor x, Tensor low_bytes, Tensor planes, Tensor escapes, Tensor offsets, Tensor table) "
       "-> Tensor");
   m.def(
-      "lossless_gemv_out(Tensor x, Tensor sign_mantissa, Tensor planes, Tensor escapes, Tensor offsets, "
+      "lossless_gemv_out(Tensor x, Tensor low_bytes, Tensor planes, Tensor escapes, Tensor offsets, "
       "Tensor table, Tensor(a!) out) -> ()");
   m.def(
-      "lossless_decode(int k, Tensor sign_mantissa, Tensor planes, Tensor escapes, Tensor offsets, Tensor table) "
+      "lossless_decode(int k, Tensor low_bytes, Tensor planes, Tensor escapes, Tensor offsets, Tensor table) "
       "-> Tensor");
   m.def(
-      "lossless_rows(Tensor ids, int k, Tensor sign_mantissa, Tensor planes, Tensor escapes, Tensor offsets, "
+      "lossless_rows(Tensor ids, int k, Tensor low_bytes, Tensor planes, Tensor escapes, Tensor offsets, "
       "Tensor table) -> Tensor");
 }
 

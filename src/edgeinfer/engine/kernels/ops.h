@@ -46,12 +46,12 @@ void bf16_tiles_rows(const uint16_t* x, int64_t m, const uint16_t* w, int64_t n,
                      at::BFloat16* out_bf16, int64_t ldo);
 
 // lossless_gemv.cpp: a bf16 weight in the lossless resident form (kernels/lossless.py), read where it lies
-void lossless_gemv_out(const at::Tensor& x, const at::Tensor& sign_mantissa, const at::Tensor& planes,
+void lossless_gemv_out(const at::Tensor& x, const at::Tensor& low_bytes, const at::Tensor& planes,
                        const at::Tensor& escapes, const at::Tensor& offsets, const at::Tensor& table,
                        at::Tensor& out);
-at::Tensor lossless_gemv(const at::Tensor& x, const at::Tensor& sign_mantissa, const at::Tensor& planes,
+at::Tensor lossless_gemv(const at::Tensor& x, const at::Tensor& low_bytes, const at::Tensor& planes,
                          const at::Tensor& escapes, const at::Tensor& offsets, const at::Tensor& table);
-at::Tensor lossless_decode(int64_t k, const at::Tensor& sign_mantissa, const at::Tensor& planes,
+at::Tensor lossless_decode(int64_t k, const at::Tensor& low_bytes, const at::Tensor& planes,
                            const at::Tensor& escapes, const at::Tensor& offsets, const at::Tensor& table);
 
 // cpu_gemv.cpp

@@ -70,7 +70,7 @@ def bf16_gemv_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
 
 def lossless_gemv(
     x: torch.Tensor,
-    sign_mantissa: torch.Tensor,
+    low_bytes: torch.Tensor,
     planes: torch.Tensor,
     escapes: torch.Tensor,
     offsets: torch.Tensor,
@@ -78,12 +78,12 @@ def lossless_gemv(
 ) -> torch.Tensor:
     """`bf16_gemv` on a weight in the lossless form (kernels/lossless.py): the same sums -> bf16 `[M, N]`."""
     _ensure_loaded()
-    return torch.ops.edgeinfer_cpu.lossless_gemv(x, sign_mantissa, planes, escapes, offsets, table)
+    return torch.ops.edgeinfer_cpu.lossless_gemv(x, low_bytes, planes, escapes, offsets, table)
 
 
 def lossless_gemv_out(
     x: torch.Tensor,
-    sign_mantissa: torch.Tensor,
+    low_bytes: torch.Tensor,
     planes: torch.Tensor,
     escapes: torch.Tensor,
     offsets: torch.Tensor,
@@ -92,12 +92,12 @@ def lossless_gemv_out(
 ) -> None:
     """`lossless_gemv` written into `out` `[M, N]` (fp32: the sums unrounded, or bf16)."""
     _ensure_loaded()
-    torch.ops.edgeinfer_cpu.lossless_gemv_out(x, sign_mantissa, planes, escapes, offsets, table, out)
+    torch.ops.edgeinfer_cpu.lossless_gemv_out(x, low_bytes, planes, escapes, offsets, table, out)
 
 
 def lossless_decode(
     k: int,
-    sign_mantissa: torch.Tensor,
+    low_bytes: torch.Tensor,
     planes: torch.Tensor,
     escapes: torch.Tensor,
     offsets: torch.Tensor,
@@ -105,13 +105,13 @@ def lossless_decode(
 ) -> torch.Tensor:
     """The bf16 matrix `[N, k]` of a lossless form, decoded whole."""
     _ensure_loaded()
-    return torch.ops.edgeinfer_cpu.lossless_decode(k, sign_mantissa, planes, escapes, offsets, table)
+    return torch.ops.edgeinfer_cpu.lossless_decode(k, low_bytes, planes, escapes, offsets, table)
 
 
 def lossless_rows(
     ids: torch.Tensor,
     k: int,
-    sign_mantissa: torch.Tensor,
+    low_bytes: torch.Tensor,
     planes: torch.Tensor,
     escapes: torch.Tensor,
     offsets: torch.Tensor,
@@ -119,7 +119,7 @@ def lossless_rows(
 ) -> torch.Tensor:
     """Rows `ids` of a lossless form's bf16 matrix -> `[*ids.shape, k]` (an embedding lookup)."""
     _ensure_loaded()
-    return torch.ops.edgeinfer_cpu.lossless_rows(ids, k, sign_mantissa, planes, escapes, offsets, table)
+    return torch.ops.edgeinfer_cpu.lossless_rows(ids, k, low_bytes, planes, escapes, offsets, table)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool) -> torch.Tensor:
