@@ -212,6 +212,32 @@ def test_mirrored_groups_follow_the_targets_tables():
         mirror_groups(plan_groups([8, 8], 512), [None], 512)  # full attention over windowed tables only
 
 
+def held_bytes(storage) -> int:
+    return sum(
+        t.numel() * t.element_size() for p in storage._pools for t in (p.data, p.scales) if t is not None
+    )
+
+
+@pytest.mark.parametrize("method", ["self", "draft"])
+def test_the_drafts_kv_and_weights_come_out_of_the_budget(method, tiny_models, draft_models, engine_factory):
+    budget = dict(kv_cache_memory_bytes=1 << 20, num_kv_blocks=None)
+    plain = engine_factory(tiny_models["llama"], **budget)
+    spec = engine_factory(
+        tiny_models["llama"], kv_cache_memory_bytes=budget, **method_kw(method, "llama", draft_models)
+    )
+    draft = spec.runner.draft.runner
+    # both models' pools, null block included, are what the layout counts, and within the budget
+    allocated = held_bytes(spec.runner.storage) + held_bytes(draft.storage)
+    assert allocated == (spec.layout.num_kv_blocks + 1) * spec.layout.kv_block_bytes
+    assert spec.layout.kv_bytes <= budget["kv_cache_memory_bytes"]
+    assert spec.layout.num_kv_blocks < plain.layout.num_kv_blocks
+    draft_weights = sum(
+        t.numel() * t.element_size() for t in [*draft.model.parameters(), *draft.model.buffers()]
+    )
+    assert spec.layout.weight_bytes == plain.layout.weight_bytes + draft_weights
+    assert spec.memory_bytes() == spec.layout.weight_bytes + allocated - spec.layout.kv_block_bytes
+
+
 def test_config_refuses_bad_draft_settings(tiny_models):
     with pytest.raises(ValueError, match="go together"):
         EngineConfig(model=tiny_models["llama"], speculative_method="draft")

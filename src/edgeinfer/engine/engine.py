@@ -17,7 +17,7 @@ import torch
 from edgeinfer.engine.attention.storage import KVCacheStorage
 from edgeinfer.engine.cache_dir import cache_root
 from edgeinfer.engine.config import EngineConfig
-from edgeinfer.engine.draft_loading import build_draft_runner
+from edgeinfer.engine.draft_loading import build_draft_runner, load_draft_model
 from edgeinfer.engine.errors import EngineInputError
 from edgeinfer.engine.kv_cache import KVCacheManager
 from edgeinfer.engine.kv_cache.hashing import PUBLIC_NAMESPACE, adapter_namespace
@@ -90,7 +90,10 @@ class LLMEngine:
             tokenizer = aside.submit(Tokenizer.from_checkpoint, ckpt)
             self.model = load_model(ckpt, dtype, self.device, config, tokenizer.result)
             self.tokenizer = tokenizer.result()
-        self.layout: EngineLayout = plan_layout(config, self.model, dtype)
+        draft = None
+        if config.speculative_method in MODEL_DRAFTERS:
+            draft = load_draft_model(config, self.tokenizer, dtype, self.device)
+        self.layout: EngineLayout = plan_layout(config, self.model, dtype, draft)
         storage = KVCacheStorage(
             self.model.kv_spec,
             self.layout.num_kv_blocks,
@@ -139,9 +142,11 @@ class LLMEngine:
             guidance_tokenizer=guidance,
             decode_ops=self.runtime.kernels if uses_cpu_gemv(self.model) else None,
         )
-        if config.speculative_method in MODEL_DRAFTERS:
+        if draft is not None:
             limits = self.runtime.kernels
-            self.runner.draft = build_draft_runner(config, self.layout, self.tokenizer, self.device, limits)
+            self.runner.draft = build_draft_runner(
+                config, self.layout, draft, self.tokenizer, self.device, limits
+            )
         # LoRA adapters by name (engine/lora/): no hooks on the model until the first one is loaded
         self.adapters = AdapterRegistry(self.model, dtype)
         self.runner.lora = self.adapters

@@ -23,6 +23,7 @@ from edgeinfer.engine.kernels import ops
 from edgeinfer.engine.kernels.bf16 import GemvLinear, use_bf16_gemv
 from edgeinfer.engine.kernels.lossless import LosslessLinear, use_lossless
 from edgeinfer.engine.kv_cache import KVGroups, plan_groups
+from edgeinfer.engine.kv_cache.groups import mirror_groups
 from edgeinfer.engine.model.loader import Checkpoint
 from edgeinfer.engine.model.loader.base import cast_floating
 from edgeinfer.engine.model.moe_lm import MoeCausalLM
@@ -57,11 +58,11 @@ class EngineLayout:
     num_kv_blocks: int
     block_size: int
     max_model_len: int
-    kv_bytes_per_token: int  # one token in every layer
-    weight_bytes: int
+    kv_bytes_per_token: int  # one token in every layer (the draft model's too)
+    weight_bytes: int  # resident weights (the draft model's too)
     dtype: torch.dtype
     kv_groups: KVGroups  # which layers share a block table (kv_cache/groups.py)
-    kv_block_bytes: int  # one block: block_size tokens of the kv_groups.slots layers it holds
+    kv_block_bytes: int  # one block: block_size tokens of the kv_groups.slots layers it holds (+ the draft's)
 
     @property
     def kv_bytes(self) -> int:
@@ -384,15 +385,22 @@ def _load_quantized(
     model.load_weights((n, cast_floating(t, dtype)) for n, t in tensors.items() if n not in consumed)
 
 
-def plan_layout(config: EngineConfig, model: nn.Module, dtype: torch.dtype) -> EngineLayout:
+def plan_layout(
+    config: EngineConfig, model: nn.Module, dtype: torch.dtype, draft: nn.Module | None = None
+) -> EngineLayout:
     """The KV budget in blocks of one shared pool: each block holds one KV group's layers (the same count
-    in every group), so blocks that long sequences give back from windowed groups serve anyone."""
+    in every group), so blocks that long sequences give back from windowed groups serve anyone. A draft
+    model (speculative decoding) keeps its KV in storage indexed by the same blocks (kv_cache/groups.py
+    `mirror_groups`), so a block costs both models' bytes and the budget holds fewer of them."""
     spec, quantizer = model.kv_spec, get_kv_quantizer(config.kv_cache_dtype, dtype)
     max_len = min(config.max_model_len or model.args.max_pos, model.args.max_pos)
     groups = plan_groups(spec.layer_windows(), max_len, config.hybrid_kv_cache)
     block_bytes = kv_block_bytes(spec, quantizer, config.block_size, groups)
+    per_token, weights = kv_bytes_per_token(spec, quantizer), weight_bytes(model)
+    if draft is not None:
+        mirrored = mirror_groups(groups, draft.kv_spec.layer_windows(), max_len, config.hybrid_kv_cache)
+        block_bytes += kv_block_bytes(draft.kv_spec, quantizer, config.block_size, mirrored)
+        per_token += kv_bytes_per_token(draft.kv_spec, quantizer)
+        weights += weight_bytes(draft)
     blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights += sum(b.numel() * b.element_size() for b in model.buffers())  # quantized states are buffers
-    per_token = kv_bytes_per_token(spec, quantizer)
     return EngineLayout(blocks, config.block_size, max_len, per_token, weights, dtype, groups, block_bytes)
