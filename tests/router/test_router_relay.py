@@ -7,6 +7,8 @@ first-byte deadline is a 504 in the envelope; a client that reads slowly still g
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import threading
 import time
@@ -22,14 +24,16 @@ SSE = [b'data: {"text": "piece %d"}\n\n' % i for i in range(12)] + [b"data: [DON
 PAYLOAD = b"".join(SSE)
 FRAMED = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in SSE) + b"0\r\n\r\n"
 CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-LENGTH_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(PAYLOAD)
+LENGTH_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(
+    PAYLOAD
+)
 BIG = b"x" * (8 << 20)  # more than the sockets between node, router and client hold: the relay must pause
 PAUSE_S = 0.02  # between the scripted node's writes: each one a read of its own at the router
 
 
 def _pieces(data: bytes, cuts: list[int]) -> list[bytes]:
     bounds = [0, *cuts, len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def _split_everywhere() -> list[bytes]:
@@ -50,6 +54,7 @@ class ScriptedNode:
     def __init__(self) -> None:
         self.port = free_port()
         self.connections = 0
+        self.dropped = 0  # trickling answers whose connection the router dropped
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -64,10 +69,8 @@ class ScriptedNode:
             self._ready.set()
             await self._server.serve_forever()
 
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             self._loop.run_until_complete(main())
-        except asyncio.CancelledError:
-            pass
 
     def start(self) -> ScriptedNode:
         self._thread.start()
@@ -107,6 +110,16 @@ class ScriptedNode:
         """Write the scripted answer; whether the connection stays open for the next request."""
         if script == "silent":
             await asyncio.sleep(30)
+            return False
+        if script == "trickle":  # a long stream, until the router drops it
+            writer.write(CHUNKED_HEAD)
+            try:
+                for _ in range(200):
+                    writer.write(b"%x\r\n%s\r\n" % (len(SSE[0]), SSE[0]))
+                    await writer.drain()
+                    await asyncio.sleep(PAUSE_S)
+            except ConnectionError:
+                self.dropped += 1
             return False
         if script == "big":
             writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
@@ -174,7 +187,9 @@ def test_an_answer_split_anywhere_arrives_whole_and_the_node_connection_is_reuse
         for _ in range(3):
             response = _post(client, script)
             assert response.status_code == 200 and response.content == PAYLOAD
-            assert response.headers["x-edgeinfer-node"] == "s1" and len(response.headers["x-request-id"]) == 32
+            assert (
+                response.headers["x-edgeinfer-node"] == "s1" and len(response.headers["x-request-id"]) == 32
+            )
             framing = "transfer-encoding" if script == "split" else "content-length"
             assert framing in response.headers
         assert node.connections == opened  # each answer ended cleanly: its connection went back to the pool
@@ -210,11 +225,36 @@ def test_a_node_that_never_answers_is_a_504_after_the_first_byte_deadline(router
 
 
 def test_a_client_reading_slowly_gets_every_byte(router: RouterThread) -> None:
-    with httpx.Client(base_url=router.url, timeout=30) as client:
-        with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "big"}) as response:
-            size = 0
-            for part in response.iter_bytes():
-                size += len(part)
-                if size < len(BIG) // 2:
-                    time.sleep(0.001)  # the router's socket buffer fills: it pauses the node's
-            assert size == len(BIG)
+    body = {"model": "tiny", "prompt": "big"}
+    with (
+        httpx.Client(base_url=router.url, timeout=30) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        size = 0
+        for part in response.iter_bytes():
+            size += len(part)
+            if size < len(BIG) // 2:
+                time.sleep(0.001)  # the router's socket buffer fills: it pauses the node's
+        assert size == len(BIG)
+
+
+def test_clients_leaving_mid_stream_drop_the_node_connection_without_counting_against_the_node(
+    router: RouterThread, node: ScriptedNode
+) -> None:
+    breaker = router.service.state.nodes["s1"].breaker
+    with httpx.Client(base_url=router.url, timeout=10) as client:
+        assert _post(client, "split").content == PAYLOAD
+    dropped = node.dropped
+    body = {"model": "tiny", "prompt": "trickle"}
+    with contextlib.ExitStack() as streams:  # all under way at once, then all their clients leave
+        readers = []
+        for _ in range(breaker.failure_threshold):
+            client = streams.enter_context(httpx.Client(base_url=router.url, timeout=10))
+            response = streams.enter_context(client.stream("POST", "/v1/completions", json=body))
+            readers.append(response.iter_raw())  # kept: a reader dropped closes its response
+            assert next(readers[-1])
+    _eventually(lambda: node.dropped == dropped + breaker.failure_threshold)  # long before the idle bound
+    deadline = time.monotonic() + 0.2
+    while time.monotonic() < deadline:
+        assert breaker.state == "closed"
+        time.sleep(0.01)

@@ -102,7 +102,13 @@ class NodeConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def abort(self) -> None:
-        """Drop the connection mid-exchange: how a node learns that its client left."""
+        """Drop the connection mid-exchange, by the router's choice (its client left, the answer is not
+        wanted): how a node learns that its client left. The sink hears nothing: no failure of the node."""
+        self._sink = None
+        self._drop()
+
+    def _drop(self) -> None:
+        """Drop the connection for the node's fault (silence, bad framing): an attached sink is told."""
         self._stop_timer()
         if self.transport is not None:
             self.transport.abort()
@@ -117,7 +123,7 @@ class NodeConnection(asyncio.Protocol):
             return
         if now - self._last >= self.pool.idle_timeout_s:
             self._timer = None
-            self.abort()
+            self._drop()
             return
         wake = self._last + self.pool.idle_timeout_s
         self._timer = self.loop.call_at(min(wake, self._deadline) if waiting else wake, self._check)
@@ -128,7 +134,7 @@ class NodeConnection(asyncio.Protocol):
             if future is not None and not future.done():
                 future.set_exception(self._expired)
                 break
-        self.abort()
+        self._drop()
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -148,7 +154,7 @@ class NodeConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError:
-            self.abort()
+            self._drop()
         if sink is not None:
             sink.flush()
 
