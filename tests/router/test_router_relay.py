@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import threading
@@ -19,6 +20,8 @@ import pytest
 from helpers.router_fleet import RouterThread, free_port, one_node_fleet
 
 from edgeinfer.router.config import RouterConfig
+from edgeinfer.router.proxy import Forward, Relay
+from edgeinfer.router.wire import Request
 
 SSE = [b'data: {"text": "piece %d"}\n\n' % i for i in range(12)] + [b"data: [DONE]\n\n"]
 PAYLOAD = b"".join(SSE)
@@ -258,3 +261,21 @@ def test_clients_leaving_mid_stream_drop_the_node_connection_without_counting_ag
     while time.monotonic() < deadline:
         assert breaker.state == "closed"
         time.sleep(0.01)
+
+
+def test_a_relayed_request_leaves_no_cycle_to_the_collector(router: RouterThread) -> None:
+    """Every object of a request is freed as the request ends: garbage that only the cycle collector
+    frees piles up on a busy router until a full collection stalls every stream in flight."""
+    with httpx.Client(base_url=router.url, timeout=10) as client:
+        assert _post(client, "split").content == PAYLOAD
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(5):
+                assert _post(client, "split").content == PAYLOAD
+            gc.collect()
+            left = [type(o).__name__ for o in gc.garbage if isinstance(o, Request | Relay | Forward)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert left == []
