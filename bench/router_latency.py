@@ -2,7 +2,11 @@
 minus TTFT straight to the same stub node, at 1, 64 and 256 concurrent streams; and the most requests/s each
 router passes on its one core.
 
-    python bench/router_latency.py [--write docs/benchmarks.md] [--scale 1.0]
+    python bench/router_latency.py [--write docs/benchmarks.md] [--scale 1.0] [--streams 256] [--quick]
+                                   [--no-rate]
+
+`--streams` (these levels only), `--quick` (no sglang-router) and `--no-rate` (no requests/s run) are for
+iterating.
 
 The load side must cost less than the routers, or the numbers describe it instead: the stub node
 (bench/router_stub.py) and the load generator run in this one process, on one uvloop event loop pinned to
@@ -338,7 +342,8 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))] * 1000
 
 
-async def run(scale: float, tmp: Path) -> tuple[list[str], list[str]]:
+async def run(args: argparse.Namespace, tmp: Path) -> tuple[list[str], list[str]]:
+    scale = args.scale
     stub_port, ours_port, sgl_port = free_port(), free_port(), free_port()
     server = await serve(stub_port)
     fleet = tmp / "fleet.toml"
@@ -356,13 +361,13 @@ async def run(scale: float, tmp: Path) -> tuple[list[str], list[str]]:
         f"http://127.0.0.1:{stub_port}",
     ]
     sgl += ["--port", str(sgl_port), "--policy", "round_robin", "--log-level", "warn"]
-    procs = {
-        "edgeinfer router": spawn(ours, ROUTER_CPU, tmp / "ours.log"),
-        "sglang-router": spawn(sgl, ROUTER_CPU, tmp / "sglang.log"),
-    }
+    procs = {"edgeinfer router": spawn(ours, ROUTER_CPU, tmp / "ours.log")}
+    if not args.quick:
+        procs["sglang-router"] = spawn(sgl, ROUTER_CPU, tmp / "sglang.log")
     try:
         await wait_up(ours_port, "/ready")
-        await wait_up(sgl_port, "/health")
+        if not args.quick:
+            await wait_up(sgl_port, "/health")
         await asyncio.sleep(1.0)
         # A router that died after answering once (a port of its own already taken) must not leave its
         # rows measuring whatever else answers there.
@@ -370,9 +375,12 @@ async def run(scale: float, tmp: Path) -> tuple[list[str], list[str]]:
             raise SystemExit(f"{', '.join(dead)} exited at start; its log is in {tmp}")
         targets = {"direct": (stub_port, None)}
         targets["edgeinfer router"] = (ours_port, procs["edgeinfer router"].pid)
-        targets["sglang-router"] = (sgl_port, procs["sglang-router"].pid)
+        if not args.quick:
+            targets["sglang-router"] = (sgl_port, procs["sglang-router"].pid)
         stream_rows: list[str] = []
         for concurrency, seconds in STREAM_LEVELS:
+            if args.streams and concurrency not in args.streams:
+                continue
             results = {}
             for name, (port, pid) in targets.items():
                 body = {"model": "stub", "prompt": "hi", "max_tokens": CHUNKS, "stream": True}
@@ -394,7 +402,7 @@ async def run(scale: float, tmp: Path) -> tuple[list[str], list[str]]:
                     f"| {cpu_cells(r, name)} |"
                 )
         rate_rows: list[str] = []
-        for name, (port, pid) in targets.items():
+        for name, (port, pid) in targets.items() if args.rate else ():
             body = {"model": "stub", "prompt": "hi", "max_tokens": 1, "stream": True}
             r = await closed_loop(
                 port, post(port, "/v1/completions", body), RATE_CONCURRENCY, RATE_SECONDS * scale, pid
@@ -432,13 +440,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", default=None, help="replace this file's router-latency section")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply each window's length (quick runs)")
+    parser.add_argument(
+        "--streams", type=int, nargs="+", default=None, help="only these stream levels (of 1, 64, 256)"
+    )
+    parser.add_argument("--quick", action="store_true", help="the edgeinfer router only (iterating)")
+    parser.add_argument("--no-rate", dest="rate", action="store_false", help="no requests/s run (iterating)")
     args = parser.parse_args()
     os.sched_setaffinity(0, {int(LOAD_CPU)})
     tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
     load_before = os.getloadavg()
     loop = new_event_loop()
     try:
-        stream_rows, rate_rows = loop.run_until_complete(run(args.scale, tmp))
+        stream_rows, rate_rows = loop.run_until_complete(run(args, tmp))
     finally:
         loop.close()
     report = render(stream_rows, rate_rows, load_before, os.getloadavg(), args)
@@ -475,6 +488,12 @@ def render(
     command = "python bench/router_latency.py" + (f" --write {args.write}" if args.write else "")
     if args.scale != 1.0:
         command += f" --scale {args.scale}"
+    if args.streams:
+        command += " --streams " + " ".join(map(str, args.streams))
+    if args.quick:
+        command += " --quick"
+    if not args.rate:
+        command += " --no-rate"
 
     def load(avg: tuple[float, float, float]) -> str:
         return " / ".join(f"{v:.2f}" for v in avg)

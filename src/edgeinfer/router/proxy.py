@@ -137,14 +137,13 @@ class Forwarder:
         sent = time.monotonic()
         node: NodeConnection | None = None
         try:
-            async with asyncio.timeout(max(0.0, remaining)):
-                node = await pool.exchange(job.wire(pool.host_header))
-                node_s = time.monotonic() - sent
-                if node.status == 429 or node.status >= 500:
-                    self._refused(view, node.status)
-                    body = await node.body()
-                    pool.release(node)
-                    raise NodeAnswer(node.status, body, _relayed_headers(node.headers))
+            node = await pool.exchange(job.wire(pool.host_header), max(0.0, remaining))
+            node_s = time.monotonic() - sent
+            if node.status == 429 or node.status >= 500:
+                self._refused(view, node.status)
+                body = await node.body()
+                pool.release(node)
+                raise NodeAnswer(node.status, body, _relayed_headers(node.headers))
             view.breaker.success()
             await self._emulate_one_way(job, entry.location, job.client_location)
         except (NodeAnswer, UpstreamError):
@@ -238,7 +237,7 @@ class Relay:
             keep_alive = keep_alive and self._chunked  # unframed: the body ends with the connection
         headers = [*self._headers, (b"x-request-id", request.request_id.encode())]
         self._client = client
-        self._done = asyncio.get_running_loop().create_future()
+        self._done = self._node.loop.create_future()
         ok = False
         try:
             self._out.append(head(self.status, headers, framing, keep_alive))  # with the body that came

@@ -65,9 +65,8 @@ class PollSource:
         node: NodeConnection | None = None
         try:
             # Up to the drop bound: a slow answer is still fresher than none.
-            async with asyncio.timeout(POLL_TIMEOUT_S):
-                node = await pool.exchange(_STATUS_REQUEST % pool.host_header)
-                body = await node.body()
+            node = await pool.exchange(_STATUS_REQUEST % pool.host_header, POLL_TIMEOUT_S)
+            body = await node.body()
             pool.release(node)
             if node.status == 200:
                 self._state.update(NodeStatus.from_json(body))

@@ -37,7 +37,7 @@ class NodeConnection(asyncio.Protocol):
         self.lost = False
         self._parser = httptools.HttpResponseParser(self)
         self._timer: asyncio.TimerHandle | None = None
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self._reset()
 
     def _reset(self) -> None:
@@ -51,23 +51,32 @@ class NodeConnection(asyncio.Protocol):
         self._sink: Sink | None = None
         self._finished: asyncio.Future[bytes] | None = None
         self._last = 0.0
+        self._deadline = 0.0
+        self._expired: TimeoutError | None = None
 
     # --- one exchange -------------------------------------------------------------------------------
 
-    def send(self, data: bytes) -> asyncio.Future[None]:
-        """Send a whole request; the future resolves when the answer's head has arrived."""
+    def send(self, data: bytes, timeout_s: float) -> asyncio.Future[None]:
+        """Send a whole request; the future resolves when the answer's head has arrived. The head, and a
+        body read whole (`body`), must come within `timeout_s`, else TimeoutError and the connection drops."""
         assert self.transport is not None
         self._reset()
-        self.head = self._loop.create_future()
-        self._last = self._loop.time()
-        self._timer = self._loop.call_later(self.pool.idle_timeout_s, self._check_idle)
+        self.head = self.loop.create_future()
+        self._last = self.loop.time()
+        self._deadline = self._last + timeout_s
+        # One timer per exchange serves both bounds (an asyncio.timeout per request costs more than the
+        # rest of the exchange's Python): it fires at the nearer one and re-arms while there is time left.
+        wake = min(self._deadline, self._last + self.pool.idle_timeout_s)
+        self._timer = self.loop.call_at(wake, self._check)
         self.transport.write(data)
         return self.head
 
     async def body(self) -> bytes:
         """The whole body of an answer that is not relayed (a retryable 429 or 5xx)."""
         if not self.complete:
-            self._finished = self._loop.create_future()
+            if self.lost:  # before this was awaited: its deadline, or the node's close
+                raise self._expired or UpstreamError("node connection closed inside an answer")
+            self._finished = self.loop.create_future()
             await self._finished
         return b"".join(self._buffered)
 
@@ -93,18 +102,39 @@ class NodeConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def abort(self) -> None:
-        """Drop the connection mid-exchange: how a node learns that its client left."""
+        """Drop the connection mid-exchange, by the router's choice (its client left, the answer is not
+        wanted): how a node learns that its client left. The sink hears nothing: no failure of the node."""
+        self._sink = None
+        self._drop()
+
+    def _drop(self) -> None:
+        """Drop the connection for the node's fault (silence, bad framing): an attached sink is told."""
         self._stop_timer()
         if self.transport is not None:
             self.transport.abort()
 
-    def _check_idle(self) -> None:
-        idle = self._loop.time() - self._last
-        if idle >= self.pool.idle_timeout_s:
+    def _check(self) -> None:
+        """The exchange's timer: the deadline while the answer is not relayed, and the idle bound."""
+        now = self.loop.time()
+        waiting = self._sink is None and not self.complete  # for the head, or a body read whole
+        if waiting and now >= self._deadline:
             self._timer = None
-            self.abort()
-        else:
-            self._timer = self._loop.call_later(self.pool.idle_timeout_s - idle, self._check_idle)
+            self._expire()
+            return
+        if now - self._last >= self.pool.idle_timeout_s:
+            self._timer = None
+            self._drop()
+            return
+        wake = self._last + self.pool.idle_timeout_s
+        self._timer = self.loop.call_at(min(wake, self._deadline) if waiting else wake, self._check)
+
+    def _expire(self) -> None:
+        self._expired = TimeoutError("the node did not answer before the deadline")
+        for future in (self.head, self._finished):
+            if future is not None and not future.done():
+                future.set_exception(self._expired)
+                break
+        self._drop()
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -119,12 +149,12 @@ class NodeConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
-        self._last = self._loop.time()
+        self._last = self.loop.time()
         sink = self._sink
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError:
-            self.abort()
+            self._drop()
         if sink is not None:
             sink.flush()
 
@@ -181,9 +211,12 @@ class NodePool:
         self.idle_timeout_s = idle_timeout_s
         self._idle: dict[NodeConnection, None] = {}
 
-    async def exchange(self, data: bytes) -> NodeConnection:
-        """Send `data` and wait for the answer's head. A kept-alive connection the node closed meanwhile
-        is no failure of the node: the request goes again on a new connection."""
+    async def exchange(self, data: bytes, timeout_s: float) -> NodeConnection:
+        """Send `data` and wait for the answer's head; it (and a body read whole) must come within
+        `timeout_s`, else TimeoutError. A kept-alive connection the node closed meanwhile is no failure of
+        the node: the request goes again on a new connection."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         conn = self._idle.popitem()[0] if self._idle else None
         if (
             conn is not None
@@ -192,7 +225,7 @@ class NodePool:
             and not conn.transport.is_closing()
         ):
             try:
-                await conn.send(data)
+                await conn.send(data, timeout_s)
                 return conn
             except UpstreamError:
                 if conn.got_bytes:
@@ -200,20 +233,22 @@ class NodePool:
             except BaseException:
                 conn.abort()
                 raise
-        conn = await self._connect()
+        conn = await self._connect(loop, deadline)
         try:
-            await conn.send(data)
+            await conn.send(data, deadline - loop.time())
         except BaseException:
             conn.abort()
             raise
         return conn
 
-    async def _connect(self) -> NodeConnection:
-        loop = asyncio.get_running_loop()
+    async def _connect(self, loop: asyncio.AbstractEventLoop, deadline: float) -> NodeConnection:
+        connect_by = loop.time() + self.connect_timeout_s
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with asyncio.timeout_at(min(connect_by, deadline)):
                 _, conn = await loop.create_connection(lambda: NodeConnection(self), self.host, self.port)
         except TimeoutError:
+            if deadline <= connect_by:
+                raise  # the exchange's own deadline: no time left for this node
             raise UpstreamError(
                 f"no connection to {self.host}:{self.port} within the connect timeout"
             ) from None
