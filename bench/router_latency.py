@@ -446,6 +446,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the edgeinfer router only (iterating)")
     parser.add_argument("--no-rate", dest="rate", action="store_false", help="no requests/s run (iterating)")
     args = parser.parse_args()
+    if args.write and (args.quick or args.streams or not args.rate):
+        parser.error("--write takes the whole run, the peer's rows too: no --quick, --streams or --no-rate")
     os.sched_setaffinity(0, {int(LOAD_CPU)})
     tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
     load_before = os.getloadavg()
