@@ -302,9 +302,7 @@ EDGEINFER_TARGET_LOSSLESS void gemv_direct(const Form& f, const uint16_t* xs, fl
   const int64_t groups = (f.n + kGroup - 1) / kGroup;
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kGroup * f.kp * 3 / 2));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      rows_direct<M>(f, c, t, xs, g * kGroup, out_f32, out_bf16);
-    }
+    for (int64_t g = g0; g < g1; ++g) rows_direct<M>(f, c, t, xs, g * kGroup, out_f32, out_bf16);
   });
 }
 
