@@ -82,8 +82,9 @@ def encode(weight: torch.Tensor) -> LosslessForm:
     padding = _stored_order((torch.arange(kp) >= k).view(1, -1))[0]
     step = max(1, _CHUNK_VALUES // max(1, kp))
     for r in range(0, n, step):
-        b = torch.zeros(len(bits[r : r + step]), kp, dtype=torch.int32)
-        b[:, :k] = bits[r : r + step].to(torch.int32) & 0xFFFF
+        rows = bits[r : r + step]
+        b = torch.zeros(len(rows), kp, dtype=torch.int32)
+        b[:, :k] = rows.to(torch.int32) & 0xFFFF
         b = _stored_order(b)
         high = b >> 8
         codes = lookup[high]
