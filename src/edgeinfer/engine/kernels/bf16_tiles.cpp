@@ -20,7 +20,9 @@
 // takes the weight stream to the memory bandwidth: prefetching into L1 instead (`prefetcht0`) leaves the
 // wider products no faster than no prefetch at all, and fetching further ahead than the next tile gains
 // nothing. At one row the side-by-side reads cost more than reading the rows in order, hence the
-// in-order reading of a single row above (timings: docs/engine.md, docs/benchmarks.md).
+// in-order reading of a single row above (timings: docs/engine.md, docs/benchmarks.md). A caller whose
+// weight block sits in its own buffer (lossless_gemv.cpp) has the tiles fetch other bytes instead, paced
+// over all of the block's 4 x 4 tiles: its next block's compressed form.
 
 #include "isa.h"
 #include "ops.h"
@@ -67,27 +69,68 @@ EDGEINFER_TARGET_BF16 inline void store(const Product& p, __m512 sums, int64_t m
   }
 }
 
+// What a tile fetches into L2 as it goes, one `step` per 32 inputs: nothing; the next NB weight rows
+// (a line per row per step); or another weight's bytes, paced (Paced).
+struct NoFetch {
+  void step(int64_t) {}
+};
+
+template <int NB>
+struct NextTile {
+  const uint16_t* next;
+  int64_t k;
+  EDGEINFER_TARGET_BF16 void step(int64_t i) {
+#pragma GCC unroll 16
+    for (int n = 0; n < NB; ++n) _mm_prefetch(reinterpret_cast<const char*>(next + n * k + i), _MM_HINT_T1);
+  }
+};
+
+// The bytes of `Ahead`, `per` lines every `every` steps, so that they are in L2 by the end of `steps`.
+class Paced {
+ public:
+  Paced(const edgeinfer_cpu::Ahead& ahead, int64_t steps) : ahead_(ahead) {
+    int64_t lines = 0;
+    for (int s = 0; s < 3; ++s) lines += (ahead_.end[s] - ahead_.begin[s] + 63) / 64;
+    steps = std::max<int64_t>(1, steps);
+    per_ = std::max<int64_t>(1, (lines + steps - 1) / steps);
+    every_ = std::max<int64_t>(1, steps / std::max<int64_t>(1, lines));
+  }
+
+  void step(int64_t) {
+    if (++count_ < every_) return;
+    count_ = 0;
+    for (int64_t j = 0; j < per_; ++j) {
+      while (span_ < 3 && ahead_.begin[span_] >= ahead_.end[span_]) ++span_;
+      if (span_ == 3) return;
+      _mm_prefetch(ahead_.begin[span_], _MM_HINT_T1);
+      ahead_.begin[span_] += 64;
+    }
+  }
+
+ private:
+  edgeinfer_cpu::Ahead ahead_;
+  int64_t per_ = 1, every_ = 1, count_ = 0;
+  int span_ = 0;
+};
+
 // Outputs of activation rows [m0, m0 + MB) x weight rows [n0, n0 + NB): one chain each (acc[m * NB + n])
-// over K in chunks of 32, the last one masked. kPrefetch: the next NB weight rows fetched into L2
-// meanwhile. Rows past the end are computed on the last row again and not stored.
-template <int MB, int NB, bool kPrefetch>
-EDGEINFER_TARGET_BF16 void tile(const Product& p, int64_t m0, int64_t n0) {
+// over K in chunks of 32, the last one masked, `fetch` stepping along. Rows past the end are computed on
+// the last row again and not stored.
+template <int MB, int NB, class Fetch>
+EDGEINFER_TARGET_BF16 void tile(const Product& p, int64_t m0, int64_t n0, Fetch& fetch) {
   static_assert(MB * NB <= kAcc);
   const int64_t k = p.k, mb = std::min<int64_t>(MB, p.m - m0), nb = std::min<int64_t>(NB, p.n - n0);
   const uint16_t* xs[MB];
   const uint16_t* ws[NB];
   for (int m = 0; m < MB; ++m) xs[m] = p.x + (m0 + std::min<int64_t>(m, mb - 1)) * k;
   for (int n = 0; n < NB; ++n) ws[n] = p.w + (n0 + std::min<int64_t>(n, nb - 1)) * k;
-  const uint16_t* next = p.w + std::min(n0 + NB, p.n - 1) * k;
   const int64_t body = k & ~int64_t{31};
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (k - body)) - 1);
   __m512 acc[kAcc];
 #pragma GCC unroll 16
   for (auto& a : acc) a = _mm512_setzero_ps();
   for (int64_t i = 0; i < body; i += 32) {
-    if constexpr (kPrefetch)
-#pragma GCC unroll 16
-      for (int n = 0; n < NB; ++n) _mm_prefetch(reinterpret_cast<const char*>(next + n * k + i), _MM_HINT_T1);
+    fetch.step(i);
     __m512bh xv[MB];
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(xs[m] + i);
@@ -134,30 +177,38 @@ EDGEINFER_TARGET_BF16 void tile_in_order(const Product& p, int64_t m0, int64_t n
   store(p, sum_lanes16(acc), m0, 1, n0, nb, 16);
 }
 
-// Weight rows [n0, n1) x activation rows [m0, m0 + MB) in MB x NB tiles; `prefetch`: each tile fetches the next.
+// MB x NB tile at (m0, n0); `prefetch`: it fetches the next NB weight rows.
 template <int MB, int NB>
-EDGEINFER_TARGET_BF16 void row_of_tiles(const Product& p, int64_t n0, int64_t n1, int64_t m0, bool prefetch) {
-  for (int64_t n = n0; n < n1; n += NB) {
-    if (prefetch)
-      tile<MB, NB, true>(p, m0, n);
-    else
-      tile<MB, NB, false>(p, m0, n);
+EDGEINFER_TARGET_BF16 void tile_at(const Product& p, int64_t m0, int64_t n0, bool prefetch) {
+  if (prefetch) {
+    NextTile<NB> next{p.w + std::min(n0 + NB, p.n - 1) * p.k, p.k};
+    tile<MB, NB>(p, m0, n0, next);
+  } else {
+    NoFetch none;
+    tile<MB, NB>(p, m0, n0, none);
   }
 }
 
+// Weight rows [n0, n1) x activation rows [m0, m0 + MB) in MB x NB tiles; `prefetch`: each tile fetches the next.
+template <int MB, int NB>
+EDGEINFER_TARGET_BF16 void row_of_tiles(const Product& p, int64_t n0, int64_t n1, int64_t m0, bool prefetch) {
+  for (int64_t n = n0; n < n1; n += NB) tile_at<MB, NB>(p, m0, n, prefetch);
+}
+
 // Weight rows [n0, n1) x every activation row: 4 x 4 tiles over chunks of rows that stay in L1 while the
-// block's weight tiles pass by, then the last 1-3 rows.
-EDGEINFER_TARGET_BF16 void block(const Product& p, int64_t n0, int64_t n1) {
+// block's weight tiles pass by, then the last 1-3 rows. With `paced`, the 4 x 4 tiles fetch its bytes
+// instead of the next weight tile.
+EDGEINFER_TARGET_BF16 void block(const Product& p, int64_t n0, int64_t n1, Paced* paced) {
   const int64_t full = p.m / 4 * 4;
   const int64_t chunk = std::max<int64_t>(4, kL1Bytes / (p.k * 2) / 4 * 4);
   for (int64_t mc = 0; mc < full; mc += chunk) {
     const int64_t end = std::min(full, mc + chunk);
     for (int64_t n = n0; n < n1; n += 4) {
       for (int64_t m = mc; m < end; m += 4) {
-        if (m == 0)
-          tile<4, 4, true>(p, m, n);
+        if (paced != nullptr)
+          tile<4, 4>(p, m, n, *paced);
         else
-          tile<4, 4, false>(p, m, n);
+          tile_at<4, 4>(p, m, n, m == 0);
       }
     }
   }
@@ -187,13 +238,14 @@ void bf16_tiles_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   const int64_t blocks = (p.n + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kBlock * p.k * 2));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) block(p, b * kBlock, std::min(p.n, (b + 1) * kBlock));
+    for (int64_t b = b0; b < b1; ++b) block(p, b * kBlock, std::min(p.n, (b + 1) * kBlock), nullptr);
   });
 }
 
 void bf16_tiles_rows(const uint16_t* x, int64_t m, const uint16_t* w, int64_t n, int64_t k, float* out_f32,
-                     at::BFloat16* out_bf16, int64_t ldo) {
-  block(Product{x, w, m, n, k, out_f32, out_bf16, ldo}, 0, n);
+                     at::BFloat16* out_bf16, int64_t ldo, const Ahead& ahead) {
+  Paced paced(ahead, m / 4 * ((n + 3) / 4) * ((k + 31) / 32));
+  block(Product{x, w, m, n, k, out_f32, out_bf16, ldo}, 0, n, &paced);
 }
 
 }  // namespace edgeinfer_cpu

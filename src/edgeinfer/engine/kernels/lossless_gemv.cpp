@@ -321,8 +321,21 @@ void gemv_few_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
   }
 }
 
+// The compressed bytes of weight rows [n0, n1) (n0 a group's first row), or nothing where n0 >= n1.
+edgeinfer_cpu::Ahead bytes_of(const Form& f, int64_t n0, int64_t n1) {
+  if (n0 >= n1) return {{nullptr, nullptr, nullptr}, {nullptr, nullptr, nullptr}};
+  const auto* planes = reinterpret_cast<const char*>(f.planes);
+  const auto* escapes = reinterpret_cast<const char*>(f.escapes);
+  const int64_t plane_row = f.kp / kInputs * 3 * 8;
+  return {{reinterpret_cast<const char*>(f.low_bytes + n0 * f.kp), planes + n0 * plane_row,
+           escapes + f.offsets[n0 / kGroup]},
+          {reinterpret_cast<const char*>(f.low_bytes + n1 * f.kp), planes + n1 * plane_row,
+           escapes + f.offsets[(n1 + kGroup - 1) / kGroup]}};
+}
+
 // Several activation rows: each task decodes its blocks of kBlock weight rows into a buffer and runs the
-// bf16 tiles on them.
+// bf16 tiles on them, which meanwhile fetch the task's next block into L2: the decoding is then bound by
+// its instructions instead of waiting on memory (the tiles alone do not stream the weight).
 void gemv_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   float* out_f32 = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
@@ -334,8 +347,9 @@ void gemv_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kBlock, rows = std::min(kBlock, f.n - n0);
       decode_rows(f, n0, n0 + rows, buffer.data());
+      const edgeinfer_cpu::Ahead next = bytes_of(f, n0 + rows, std::min(f.n, std::min(b + 2, b1) * kBlock));
       edgeinfer_cpu::bf16_tiles_rows(xs, m, buffer.data(), rows, f.k, out_f32 ? out_f32 + n0 : nullptr,
-                                     out_bf16 ? out_bf16 + n0 : nullptr, f.n);
+                                     out_bf16 ? out_bf16 + n0 : nullptr, f.n, next);
     }
   });
 }
