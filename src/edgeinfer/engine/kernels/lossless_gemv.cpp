@@ -28,12 +28,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kGroup = 16;   // rows per escape offset (kernels/lossless.py GROUP)
 constexpr int64_t kBlock = 80;   // weight rows a task decodes for several activation rows (bf16_tiles kBlock)
+constexpr int64_t kFirst = 16;   // the rows of a task's first block (a multiple of kGroup)
 constexpr int64_t kInputs = 64;  // inputs per block of codes (kernels/lossless.py BLOCK)
 constexpr int kEscape = 7;       // the code of an escaped high byte
 constexpr int64_t kGrainBytes = 64 * 1024;
@@ -333,9 +335,10 @@ edgeinfer_cpu::Ahead bytes_of(const Form& f, int64_t n0, int64_t n1) {
            escapes + f.offsets[(n1 + kGroup - 1) / kGroup]}};
 }
 
-// Several activation rows: each task decodes its blocks of kBlock weight rows into a buffer and runs the
-// bf16 tiles on them, which meanwhile fetch the task's next block into L2: the decoding is then bound by
-// its instructions instead of waiting on memory (the tiles alone do not stream the weight).
+// Several activation rows: each task decodes its rows a block of kBlock at a time into a buffer and runs the
+// bf16 tiles on them, which meanwhile fetch the next block into L2: the decoding is then bound by its
+// instructions instead of waiting on memory (the tiles alone do not stream the weight). A task's first
+// block is short (kFirst rows: nothing runs while it is fetched), so the full blocks' bytes come in sooner.
 void gemv_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   float* out_f32 = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
@@ -343,13 +346,16 @@ void gemv_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
   const int64_t blocks = (f.n + kBlock - 1) / kBlock, m = x.size(0);
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kBlock * f.k * 2));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<uint16_t> buffer(kBlock * f.k);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kBlock, rows = std::min(kBlock, f.n - n0);
-      decode_rows(f, n0, n0 + rows, buffer.data());
-      const edgeinfer_cpu::Ahead next = bytes_of(f, n0 + rows, std::min(f.n, std::min(b + 2, b1) * kBlock));
-      edgeinfer_cpu::bf16_tiles_rows(xs, m, buffer.data(), rows, f.k, out_f32 ? out_f32 + n0 : nullptr,
-                                     out_bf16 ? out_bf16 + n0 : nullptr, f.n, next);
+    const std::unique_ptr<uint16_t[]> buffer(new uint16_t[kBlock * f.k]);  // every value written before read
+    const int64_t end = std::min(f.n, b1 * kBlock);
+    int64_t n0 = b0 * kBlock, rows = std::min(kFirst, end - n0);
+    while (rows > 0) {
+      decode_rows(f, n0, n0 + rows, buffer.get());
+      const int64_t next = std::min(kBlock, end - n0 - rows);
+      edgeinfer_cpu::bf16_tiles_rows(xs, m, buffer.get(), rows, f.k, out_f32 ? out_f32 + n0 : nullptr,
+                                     out_bf16 ? out_bf16 + n0 : nullptr, f.n, bytes_of(f, n0 + rows, n0 + rows + next));
+      n0 += rows;
+      rows = next;
     }
   });
 }
