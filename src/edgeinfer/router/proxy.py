@@ -128,6 +128,8 @@ class Forwarding:
     no waiting (an idle pooled connection, no emulated RTT), so a request reaches its node in the event
     loop's turn that read it; the rest (the answer's head, retries, the relay) is `answer`'s."""
 
+    __slots__ = ("_attempt", "_config", "_forwarder", "_job", "_metrics", "_on_relay", "_views")
+
     def __init__(
         self,
         forwarder: Forwarder,
