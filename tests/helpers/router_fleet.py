@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -154,9 +154,9 @@ class RouterThread:
             time.sleep(0.05)
         raise AssertionError(f"router never heard from {node_ids - seen}")
 
-    def call(self, work: Callable[[], Awaitable[T]], timeout: float = 30.0) -> T:
+    def call(self, work: Callable[[], Coroutine[Any, Any, T]], timeout: float = 30.0) -> T:
         """Run `work` on the router's event loop; its result."""
-        return asyncio.run_coroutine_threadsafe(work(), self._loop).result(timeout)  # type: ignore[arg-type]
+        return asyncio.run_coroutine_threadsafe(work(), self._loop).result(timeout)
 
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self._stop.set)
