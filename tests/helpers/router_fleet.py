@@ -13,10 +13,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import uvloop
@@ -112,6 +112,9 @@ class LoopbackFleet:
         return parse_fleet({"locations": locations, "rtt_ms": rtt_ms or {}})
 
 
+T = TypeVar("T")
+
+
 class RouterThread:
     """A router serving on a loopback port from its own uvloop event loop, in a thread of the test process
     (its state is inspectable)."""
@@ -150,6 +153,10 @@ class RouterThread:
                 return
             time.sleep(0.05)
         raise AssertionError(f"router never heard from {node_ids - seen}")
+
+    def call(self, work: Callable[[], Coroutine[Any, Any, T]], timeout: float = 30.0) -> T:
+        """Run `work` on the router's event loop; its result."""
+        return asyncio.run_coroutine_threadsafe(work(), self._loop).result(timeout)
 
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self._stop.set)

@@ -11,6 +11,8 @@ import contextlib
 import gc
 import itertools
 import json
+import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +22,7 @@ import pytest
 from helpers.router_fleet import RouterThread, free_port, one_node_fleet
 
 from edgeinfer.router.config import RouterConfig
+from edgeinfer.router.metrics import PREFIX
 from edgeinfer.router.proxy import Forward, Relay
 from edgeinfer.router.wire import Request
 
@@ -58,6 +61,7 @@ class ScriptedNode:
         self.port = free_port()
         self.connections = 0
         self.dropped = 0  # trickling answers whose connection the router dropped
+        self.prompts: queue.Queue[str] = queue.Queue()  # of the requests received, as they arrive
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -102,7 +106,9 @@ class ScriptedNode:
                         b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data.encode())
                     )
                     continue
-                if not await self._answer(json.loads(body)["prompt"], writer):
+                prompt = json.loads(body)["prompt"]
+                self.prompts.put(prompt)
+                if not await self._answer(prompt, writer):
                     return
         except (asyncio.IncompleteReadError, ConnectionError):
             return
@@ -279,3 +285,88 @@ def test_a_relayed_request_leaves_no_cycle_to_the_collector(router: RouterThread
             gc.set_debug(0)
             gc.garbage.clear()
     assert left == []
+
+
+def _raw_post(script: str) -> bytes:
+    body = json.dumps({"model": "tiny", "prompt": script, "max_tokens": 4}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+    head += b"content-length: %d\r\n\r\n" % len(body)
+    return head + body
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """A loopback TCP connection: (the client's end, the router's end)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+    return client, accepted
+
+
+def _client_closed(router: RouterThread) -> float:
+    labels = {"location": "FRA", "node": "s1", "outcome": "client_closed"}
+    value = router.service.metrics.registry.get_sample_value(PREFIX + "routed_requests_total", labels)
+    return value or 0.0
+
+
+def test_a_request_on_an_idle_connection_reaches_the_node_in_the_loop_turn_that_read_it(
+    router: RouterThread, node: ScriptedNode
+) -> None:
+    """The router's event loop is held by the first callback scheduled after the request's bytes reached
+    its connection (the loop's next turn): the node gets the request all the same, so it went out in the
+    turn that read it, not from the step of a task started for it."""
+    with httpx.Client(base_url=router.url, timeout=10) as client:
+        assert _post(client, "split").content == PAYLOAD  # an idle pooled connection to the node
+    while not node.prompts.empty():
+        node.prompts.get()
+    client_end, router_end = _tcp_pair()
+
+    async def feed_then_hold() -> str | None:
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.connect_accepted_socket(router.router.protocol, router_end)
+        held: asyncio.Future[str | None] = loop.create_future()
+
+        def hold() -> None:
+            try:
+                held.set_result(node.prompts.get(timeout=2))
+            except queue.Empty:
+                held.set_result(None)
+
+        conn.data_received(_raw_post("length"))
+        loop.call_soon(hold)
+        return await held
+
+    assert router.call(feed_then_hold) == "length"
+    with client_end:
+        client_end.settimeout(10)
+        answer = b""
+        while not answer.endswith(PAYLOAD):
+            data = client_end.recv(65536)
+            assert data, answer
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b"x-edgeinfer-node: s1\r\n" in answer
+
+
+def test_a_request_begun_then_lost_before_its_task_ran_lets_go_of_the_node(
+    router: RouterThread, node: ScriptedNode
+) -> None:
+    """A task cancelled before its first step never runs: the request it would have awaited was begun
+    already (sent to the node), and the connection lets go of it. The node hears of it (its connection
+    drops), the outcome is the client's, the breaker is untouched."""
+    breaker = router.service.state.nodes["s1"].breaker
+    with httpx.Client(base_url=router.url, timeout=10) as client:
+        assert _post(client, "split").content == PAYLOAD
+    dropped, closed = node.dropped, _client_closed(router)
+    client_end, router_end = _tcp_pair()
+
+    async def feed_and_lose() -> None:
+        loop = asyncio.get_running_loop()
+        transport, conn = await loop.connect_accepted_socket(router.router.protocol, router_end)
+        conn.data_received(_raw_post("trickle"))
+        conn.connection_lost(None)  # as its transport reports a reset: before the task's first step
+        transport.abort()
+
+    router.call(feed_and_lose)
+    client_end.close()
+    assert _client_closed(router) == closed + 1
+    _eventually(lambda: node.dropped == dropped + 1)
+    assert breaker.state == "closed"

@@ -16,7 +16,7 @@ from edgeinfer.router.breaker import CircuitBreaker
 from edgeinfer.router.bus import FleetBus
 from edgeinfer.router.config import RouterConfig
 from edgeinfer.router.fleet_file import Fleet
-from edgeinfer.router.http_server import ClientConnection
+from edgeinfer.router.http_server import ClientConnection, Pending
 from edgeinfer.router.limits.tenants_check import tenants_digest
 from edgeinfer.router.metrics import RouterMetrics
 from edgeinfer.router.placement import PlacementLoop
@@ -24,7 +24,7 @@ from edgeinfer.router.proxy import Forwarder
 from edgeinfer.router.service import RouterService
 from edgeinfer.router.sources import PollSource
 from edgeinfer.router.state import FleetState
-from edgeinfer.router.wire import Request, error_reply
+from edgeinfer.router.wire import Reply, Request, error_reply
 
 logger = logging.getLogger("edgeinfer.router")
 
@@ -99,11 +99,26 @@ class Router:
             self.service.ready = False
         await self._stack.aclose()
 
-    async def handle(self, request: Request, conn: ClientConnection) -> routes.Answer:
-        """Every request's answer: the route's, or its error in the route's envelope. An unexpected error is
-        a 500 naming the request id (the details go to the log), and the connection stays usable."""
+    def begin(self, request: Request) -> Reply | Pending | None:
+        """A data-plane request begun where it arrives (routes.begin): under way, or its error's answer.
+        None for the other routes, which `handle` answers."""
         assert self.service is not None
         try:
+            return routes.begin(self.service, request)
+        except ApiError as error:
+            return error_reply(error, request.path)
+        except Exception:
+            logger.exception("unhandled error on %s (request id %s)", request.path, request.request_id)
+            return error_reply(unexpected(request.request_id), request.path)
+
+    async def handle(self, request: Request, begun: Pending | None) -> routes.Answer:
+        """Every request's answer (`begun`'s where `begin` began it): the route's, or its error in the
+        route's envelope. An unexpected error is a 500 naming the request id (the details go to the log),
+        and the connection stays usable."""
+        assert self.service is not None
+        try:
+            if begun is not None:
+                return await begun.answer()
             return await routes.dispatch(self.service, request)
         except ApiError as error:
             return error_reply(error, request.path)

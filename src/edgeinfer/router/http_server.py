@@ -5,6 +5,10 @@ behind it). Every input gets an answer before the connection ends: a body over t
 dropped, then answered 413 on the same keep-alive connection; a body cut short by the client's half-close
 is answered 400 before the close; a request the parser refuses is answered 400 and the connection closes,
 because its framing is lost.
+
+A request on an idle connection begins in the parser callback that completed it (`App.begin`): a
+generation goes to its node in the event loop's turn that read it, not after the turn's other callbacks
+(the relays of every other stream) as a new task's first step would. What must wait is the task's.
 """
 
 from __future__ import annotations
@@ -45,10 +49,22 @@ class Streamed(Protocol):
     def resume(self) -> None: ...
 
 
+class Pending(Protocol):
+    """A request begun at its arrival, its answer still to come."""
+
+    async def answer(self) -> Reply | Streamed: ...
+
+    def abandon(self) -> None:
+        """The client left before `answer` was awaited: let go of what was begun."""
+
+
 class App(Protocol):
     max_body_bytes: int
 
-    async def handle(self, request: Request, conn: ClientConnection) -> Reply | Streamed: ...
+    def begin(self, request: Request) -> Reply | Pending | None:
+        """Begin answering `request` at once, without awaiting anything; None where all of it waits."""
+
+    async def handle(self, request: Request, begun: Pending | None) -> Reply | Streamed: ...
 
 
 class ClientConnection(asyncio.Protocol):
@@ -62,7 +78,7 @@ class ClientConnection(asyncio.Protocol):
         # Header values as the node's parser takes them: any byte but NUL, CR and LF (on_header refuses
         # those); llhttp's strict mode also refuses DEL and other controls that clients do send.
         self._parser.set_dangerous_leniencies(lenient_headers=True)
-        self._queue: deque[tuple[Request, Reply | None]] = deque()
+        self._queue: deque[tuple[Request, Reply | Pending | None]] = deque()
         self._task: asyncio.Task[None] | None = None
         self._eof = False
         self._broken = False  # the parser refused the stream: nothing after it can be read
@@ -127,6 +143,11 @@ class ClientConnection(asyncio.Protocol):
             self._idle_timer.cancel()
         if self._task is not None:
             self._task.cancel()  # the relay or attempt in flight ends, and the node hears of it
+        # A task cancelled before its first step never runs: what was begun for it is let go here.
+        for _, ready in self._queue:
+            if ready is not None and not isinstance(ready, Reply):
+                ready.abandon()
+        self._queue.clear()
 
     def pause_writing(self) -> None:
         if self.flow is not None:
@@ -256,7 +277,10 @@ class ClientConnection(asyncio.Protocol):
             self._queue[-1][0].keep_alive = False
 
     def _enqueue(self, request: Request, ready: Reply | None) -> None:
-        self._queue.append((request, ready))
+        begun: Reply | Pending | None = ready
+        if ready is None and not self.busy:  # behind another answer, it waits its turn in the task
+            begun = self.app.begin(request)
+        self._queue.append((request, begun))
         if len(self._queue) >= MAX_PIPELINED and self.transport is not None:
             self.transport.pause_reading()
         if self._task is None:
@@ -270,11 +294,11 @@ class ClientConnection(asyncio.Protocol):
                     self.transport.resume_reading()
                 last = self._eof and not self._queue
                 keep = request.keep_alive and not last
-                if ready is not None:
+                if isinstance(ready, Reply):
                     self.write(reply_bytes(ready, request.request_id, keep))
                 else:
                     try:
-                        keep = await self._answer(request, keep)
+                        keep = await self._answer(request, ready, keep)
                     except Exception:  # Router.handle answers its errors: this one broke a relay under way
                         logger.exception("relay failed (request id %s)", request.request_id)
                         self.abort()
@@ -287,9 +311,9 @@ class ClientConnection(asyncio.Protocol):
         if self._eof and not self._queue:
             self.close()
 
-    async def _answer(self, request: Request, keep: bool) -> bool:
+    async def _answer(self, request: Request, begun: Pending | None, keep: bool) -> bool:
         """Answer `request`; whether the connection stays open after it."""
-        answer = await self.app.handle(request, self)
+        answer = await self.app.handle(request, begun)
         if isinstance(answer, Reply):
             self.write(reply_bytes(answer, request.request_id, keep))
             return keep

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from edgeinfer.api.errors import ApiError, unavailable
@@ -73,6 +73,8 @@ class NodeAnswer(Exception):
 
 
 class Forwarder:
+    """The node pools, and the requests' ways through them (`begin`)."""
+
     def __init__(self, config: RouterConfig, state: FleetState, metrics: RouterMetrics) -> None:
         self.config = config
         self.state = state
@@ -86,74 +88,156 @@ class Forwarder:
         for pool in self.pools.values():
             pool.close()
 
-    async def forward(self, job: Forward, ranked: Sequence[Candidate]) -> Reply | Relay:
-        last: NodeAnswer | None = None
+    def begin(
+        self, job: Forward, ranked: Sequence[Candidate], on_relay: Callable[[Relay], None] | None = None
+    ) -> Forwarding:
+        """`job` on its way to the first of `ranked` that takes it, now; `Forwarding.answer` awaits the
+        rest. `on_relay`: called with the answer that is relayed, when it is."""
+        return Forwarding(self, job, ranked, on_relay)
+
+    def views(self, ranked: Sequence[Candidate]) -> Iterator[NodeView]:
+        """The nodes to try in turn: at most `max_attempts`, each holding a slot of its breaker."""
         tried = 0
         for candidate in ranked:
             if tried >= self.config.max_attempts:
-                break
+                return
             view = self.state.nodes[candidate.node_id]
             if not view.breaker.acquire():
                 continue
             if tried:
                 self.metrics.retries.inc()
             tried += 1
+            yield view
+
+
+@dataclass(slots=True)
+class Attempt:
+    """The request to one node, counted in the node's view (state.py) until its answer is relayed or it
+    fails. `node`: the connection it went out on already, where it could go at once."""
+
+    view: NodeView
+    pool: NodePool
+    data: bytes
+    counted: int
+    node: NodeConnection | None
+    sent: float
+
+
+class Forwarding:
+    """One request through its candidates. The first attempt goes out when this is made where that needs
+    no waiting (an idle pooled connection, no emulated RTT), so a request reaches its node in the event
+    loop's turn that read it; the rest (the answer's head, retries, the relay) is `answer`'s."""
+
+    __slots__ = ("_attempt", "_config", "_forwarder", "_job", "_metrics", "_on_relay", "_views")
+
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        job: Forward,
+        ranked: Sequence[Candidate],
+        on_relay: Callable[[Relay], None] | None,
+    ) -> None:
+        self._forwarder = forwarder
+        self._config = forwarder.config
+        self._metrics = forwarder.metrics
+        self._job = job
+        self._on_relay = on_relay
+        self._views = forwarder.views(ranked)
+        self._attempt = self._next()
+
+    def _next(self) -> Attempt | None:
+        view = next(self._views, None)
+        if view is None:
+            return None
+        job = self._job
+        pool = self._forwarder.pools[view.entry.node_id]
+        data = job.wire(pool.host_header)
+        counted = view.sent()
+        sent = time.monotonic()
+        node = None if self._config.emulate_rtt else pool.send_idle(data, self._remaining(sent))
+        return Attempt(view, pool, data, counted, node, sent)
+
+    def _remaining(self, now: float) -> float:
+        return max(0.0, self._job.started + self._config.first_byte_timeout_s - now)
+
+    async def answer(self) -> Reply | Relay:
+        last: NodeAnswer | None = None
+        while (attempt := self._attempt) is not None:
+            view = attempt.view
             try:
-                return await self._counted_attempt(view, job)
+                relay = await self._counted(attempt)
             except asyncio.CancelledError:  # the client went away (its connection cancels its task)
-                view.breaker.release()
-                self.metrics.count(view.entry, "client_closed")
+                self._client_left(attempt)
                 raise
             except NodeAnswer as answer:
                 last = answer
             except TimeoutError:
                 view.breaker.failure()
-                self.metrics.count(view.entry, "timeout")
+                self._metrics.count(view.entry, "timeout")
                 raise ApiError(
                     504, "no node answered before the deadline", type="timeout", code="timeout"
                 ) from None
             except OSError as exc:  # UpstreamError and the socket's own errors
                 view.breaker.failure()
-                self.metrics.count(view.entry, "unreachable")
+                self._metrics.count(view.entry, "unreachable")
                 logger.warning("node %s failed before the first byte: %r", view.entry.node_id, exc)
+            else:
+                if self._on_relay is not None:
+                    self._on_relay(relay)
+                return relay
+            self._attempt = self._next()
         if last is not None:
             return Reply(last.status, last.body, last.headers, content_type=None)
         raise unavailable("no node could take the request; retry shortly", retry_after=1.0)
 
-    async def _counted_attempt(self, view: NodeView, job: Forward) -> Relay:
-        """`_attempt`, counted in the node's view (state.py) until its answer is relayed or it fails."""
-        counted = view.sent()
+    def abandon(self) -> None:
+        """The client left before `answer` was awaited: the node's connection drops (how it learns), and
+        nothing counts against the node."""
+        attempt = self._attempt
+        if attempt is not None:
+            self._client_left(attempt)
+            attempt.view.finished(attempt.counted)
+
+    def _client_left(self, attempt: Attempt) -> None:
+        if attempt.node is not None:
+            attempt.node.abort()
+        attempt.view.breaker.release()
+        self._metrics.count(attempt.view.entry, "client_closed")
+
+    async def _counted(self, attempt: Attempt) -> Relay:
+        """`_relay`, counted in the node's view until its answer is relayed or it fails."""
         try:
-            return await self._attempt(view, job, lambda: view.finished(counted))
+            return await self._relay(attempt, lambda: attempt.view.finished(attempt.counted))
         except BaseException:  # no answer to relay (cancelled by a disconnect too): the request is over
-            view.finished(counted)
+            attempt.view.finished(attempt.counted)
             raise
 
-    async def _attempt(self, view: NodeView, job: Forward, on_end: Callable[[], None]) -> Relay:
+    async def _relay(self, attempt: Attempt, on_end: Callable[[], None]) -> Relay:
+        view, job = attempt.view, self._job
         entry = view.entry
-        await self._emulate_one_way(job, job.client_location, entry.location)
-        remaining = job.started + self.config.first_byte_timeout_s - time.monotonic()
-        pool = self.pools[entry.node_id]
-        sent = time.monotonic()
         node: NodeConnection | None = None
         try:
-            node = await pool.exchange(job.wire(pool.host_header), max(0.0, remaining))
-            node_s = time.monotonic() - sent
+            if attempt.node is None and self._config.emulate_rtt:
+                await self._emulate_one_way(job.client_location, entry.location)
+                attempt.sent = time.monotonic()
+            node = await attempt.pool.exchange(attempt.data, self._remaining(attempt.sent), attempt.node)
+            attempt.node = None  # from here on this function's to drop
+            node_s = time.monotonic() - attempt.sent
             if node.status == 429 or node.status >= 500:
                 self._refused(view, node.status)
                 body = await node.body()
-                pool.release(node)
+                attempt.pool.release(node)
                 raise NodeAnswer(node.status, body, _relayed_headers(node.headers))
             view.breaker.success()
-            await self._emulate_one_way(job, entry.location, job.client_location)
+            await self._emulate_one_way(entry.location, job.client_location)
         except (NodeAnswer, UpstreamError):
             raise
         except BaseException:
             if node is not None:
                 node.abort()
             raise
-        self.metrics.count(entry, str(node.status))
-        self.metrics.first_byte.observe(time.monotonic() - job.started)
+        self._metrics.count(entry, str(node.status))
+        self._metrics.first_byte.observe(time.monotonic() - job.started)
         headers = _relayed_headers(node.headers)
         headers += [
             (b"x-edgeinfer-node", entry.node_id.encode()),
@@ -161,7 +245,7 @@ class Forwarder:
         ]
 
         def headers_sent() -> None:
-            self.metrics.added.observe(time.monotonic() - job.started - node_s - job.emulated_s)
+            self._metrics.added.observe(time.monotonic() - job.started - node_s - job.emulated_s)
 
         return Relay(node, view, headers, headers_sent, on_end)
 
@@ -170,13 +254,13 @@ class Forwarder:
             view.breaker.failure()
         else:
             view.breaker.success()
-        self.metrics.count(view.entry, str(status))
+        self._metrics.count(view.entry, str(status))
 
-    async def _emulate_one_way(self, job: Forward, a: str, b: str) -> None:
-        if self.config.emulate_rtt:
-            delay = self.state.fleet.rtt(a, b) / 2
+    async def _emulate_one_way(self, a: str, b: str) -> None:
+        if self._config.emulate_rtt:
+            delay = self._forwarder.state.fleet.rtt(a, b) / 2
             await asyncio.sleep(delay)
-            job.emulated_s += delay
+            self._job.emulated_s += delay
 
 
 def _relayed_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -36,11 +36,14 @@ from edgeinfer.router import generation, status_page
 from edgeinfer.router.body import json_value, validated
 from edgeinfer.router.generation import Generation
 from edgeinfer.router.http_server import Streamed
-from edgeinfer.router.service import RouterService
+from edgeinfer.router.proxy import Forwarding
+from edgeinfer.router.service import Deferred, RouterService
 from edgeinfer.router.wire import Reply, Request, error_reply, json_reply
 
 Answer = Reply | Streamed
+Begun = Forwarding | Deferred
 Handler = Callable[[RouterService, Request], Awaitable[Answer]]
+Beginner = Callable[[RouterService, Request], Begun]
 _STARTED = int(time.time())
 _WORKERS_AI = re.compile(r"/accounts/([^/]+)/ai/run/(.*)", re.DOTALL)
 _FINETUNES = re.compile(r"/accounts/[^/]+/ai/finetunes")
@@ -52,51 +55,51 @@ def tenant_of(service: RouterService, request: Request) -> Tenant:
     return service.tenants.authenticate(request.text_header(b"authorization"))
 
 
-async def completions(service: RouterService, request: Request) -> Answer:
+def completions(service: RouterService, request: Request) -> Begun:
     value = json_value(request)
     tenant = tenant_of(service, request)
     limits = service.config.limits
     found = generation.completion(value, limits)
     if found is None:
         found = generation.of_job(completion_job(validated(CompletionRequest, value), value, limits), limits)
-    return await _generate(service, request, tenant, found)
+    return _generate(service, request, tenant, found)
 
 
-async def chat_completions(service: RouterService, request: Request) -> Answer:
+def chat_completions(service: RouterService, request: Request) -> Begun:
     value = json_value(request)
     tenant = tenant_of(service, request)
     limits = service.config.limits
     found = generation.chat(value, limits)
     if found is None:
         found = generation.of_job(chat_job(validated(ChatCompletionRequest, value), value, limits), limits)
-    return await _generate(service, request, tenant, found)
+    return _generate(service, request, tenant, found)
 
 
-async def embeddings(service: RouterService, request: Request) -> Answer:
+def embeddings(service: RouterService, request: Request) -> Begun:
     value = json_value(request)
     tenant = tenant_of(service, request)
     job = openai_embedding_job(validated(EmbeddingRequest, value), service.config.limits)
-    return await service.route(request, tenant, job.model)
+    return service.route(request, tenant, job.model)
 
 
-async def run_model(service: RouterService, request: Request, model: str) -> Answer:
+def run_model(service: RouterService, request: Request, model: str) -> Begun:
     """Validated as the node does: a model that the fleet serves for embeddings takes `text`, any other
     model the text-generation shape."""
     value = json_value(request)
     tenant = tenant_of(service, request)
     if _queue_request(request):
-        return await _queued(service, request, tenant, model, value)
+        return Deferred(lambda: _queued(service, request, tenant, model, value))
     limits = service.config.limits
     found = generation.workers_ai(model, value, limits)
     if found is not None and not service.is_embedding_model(model):
-        return await _generate(service, request, tenant, found)
+        return _generate(service, request, tenant, found)
     body = validated(WorkersAIRunRequest, value)
     check_one_workers_ai_input(body)
     if service.is_embedding_model(model):
         embedding = workers_ai_embedding_job(model, body, limits)
-        return await service.route(request, tenant, embedding.model)
+        return service.route(request, tenant, embedding.model)
     job = workers_ai_job(model, body, value, limits)
-    return await _generate(service, request, tenant, generation.of_job(job, limits))
+    return _generate(service, request, tenant, generation.of_job(job, limits))
 
 
 def _queue_request(request: Request) -> bool:
@@ -156,7 +159,7 @@ async def upload_asset(service: RouterService, request: Request, finetune_id: st
     return json_reply(await service.counted(request, tenant, work))
 
 
-async def _generate(service: RouterService, request: Request, tenant: Tenant, found: Generation) -> Answer:
+def _generate(service: RouterService, request: Request, tenant: Tenant, found: Generation) -> Begun:
     """A generation to the fleet: placed by its base model, where its LoRA adapter is loaded if it names
     one (`base:adapter` or Workers AI's `lora`; the base's nodes check that it is the tenant's). A served
     model whose own name holds ':' stays whole."""
@@ -164,7 +167,7 @@ async def _generate(service: RouterService, request: Request, tenant: Tenant, fo
     served = service.state.served_models(service.config.policy.drop_after_s)
     if adapter is None and ":" in base and base not in served:
         base, adapter = split_model(base)
-    return await service.route(request, tenant, base, found.output_tokens, adapter)
+    return service.route(request, tenant, base, found.output_tokens, adapter)
 
 
 async def models(service: RouterService, request: Request) -> Answer:
@@ -219,7 +222,7 @@ async def status_json(service: RouterService, request: Request) -> Answer:
     return json_reply(status_page.status(service))
 
 
-POST: dict[str, Handler] = {
+POST: dict[str, Beginner] = {
     "/v1/completions": completions,
     "/v1/chat/completions": chat_completions,
     "/v1/embeddings": embeddings,
@@ -235,15 +238,29 @@ GET: dict[str, Handler] = {
 }
 
 
+def begin(service: RouterService, request: Request) -> Begun | None:
+    """A data-plane request (a generation or embedding POST) begun: its checks in the order above, the
+    policy's choice and, where nothing must be awaited first, its write to the node. None for any other
+    request: `dispatch` answers it."""
+    if request.method != b"POST":
+        return None
+    beginner = POST.get(request.path)
+    if beginner is not None:
+        return beginner(service, request)
+    match = _WORKERS_AI.fullmatch(request.path)
+    return None if match is None else run_model(service, request, match.group(2))
+
+
 async def dispatch(service: RouterService, request: Request) -> Answer:
     """The route's answer; 404 for a path no route has, 405 (with Allow) for a method it does not take."""
+    begun = begin(service, request)
+    if begun is not None:
+        return await begun.answer()
     path, method = request.path, request.method
-    handler = (POST if method == b"POST" else GET if method == b"GET" else {}).get(path)
+    handler = GET.get(path) if method == b"GET" else None
     if handler is not None:
         return await handler(service, request)
     match = _WORKERS_AI.fullmatch(path)
-    if match is not None and method == b"POST":
-        return await run_model(service, request, match.group(2))
     if _FINETUNES.fullmatch(path) and method in (b"GET", b"POST"):
         return await (list_finetunes if method == b"GET" else create_finetune)(service, request)
     assets = _ASSETS.fullmatch(path)

@@ -23,7 +23,7 @@ from edgeinfer.router.limits.limiter import FleetAdmission, FleetLimiter
 from edgeinfer.router.metrics import RouterMetrics
 from edgeinfer.router.placement import PlacementLoop
 from edgeinfer.router.policy import Decision, DecisionKind, RequestFeatures, decide
-from edgeinfer.router.proxy import HOP_BY_HOP, Forward, Forwarder, Relay
+from edgeinfer.router.proxy import HOP_BY_HOP, Forward, Forwarder, Forwarding, Relay
 from edgeinfer.router.state import FleetState
 from edgeinfer.router.wire import Reply, Request
 from edgeinfer.types.cache_salt import tenant_salt
@@ -61,6 +61,19 @@ class SessionMemory:
         self._last.move_to_end(key)
         while len(self._last) > self._capacity:
             self._last.popitem(last=False)
+
+
+class Deferred:
+    """An answer whose work all waits for the connection's task (it awaits something first)."""
+
+    def __init__(self, work: Callable[[], Awaitable[Reply | Relay]]) -> None:
+        self._work = work
+
+    async def answer(self) -> Reply | Relay:
+        return await self._work()
+
+    def abandon(self) -> None:
+        """Nothing was begun."""
 
 
 class RouterService:
@@ -119,19 +132,26 @@ class RouterService:
         served = ", ".join(sorted(self.state.served_models(self.config.policy.drop_after_s))) or "nothing"
         return model_not_found(f"model {model!r} does not exist; this fleet serves: {served}")
 
-    async def route(
+    def route(
         self, request: Request, tenant: Tenant, model: str, output_tokens: int = 0, adapter: str | None = None
-    ) -> Reply | Relay:
+    ) -> Forwarding | Deferred:
         """Generation and embedding requests alike: the same limits, policy, retries, tenants and metrics.
         `output_tokens`: the most the request may generate (all choices), reserved against tokens/min
         with the prompt's estimate until the node's usage event says what it used. `adapter`: the tenant's
-        LoRA adapter it names, placed where that is loaded."""
-        admission = None
-        if self.limiter is not None:
-            reserve = len(request.body) // BYTES_PER_TOKEN + output_tokens
-            admission = await self.limiter.admit(tenant, request.request_id, reserve)
+        LoRA adapter it names, placed where that is loaded. Without fleet limits the request is placed and
+        on its way when this returns; with them, all of it waits for the admission."""
+        if self.limiter is None:
+            return self._route(request, tenant, model, adapter)
+        return Deferred(lambda: self._admitted(request, tenant, model, output_tokens, adapter))
+
+    async def _admitted(
+        self, request: Request, tenant: Tenant, model: str, output_tokens: int, adapter: str | None
+    ) -> Reply | Relay:
+        assert self.limiter is not None
+        reserve = len(request.body) // BYTES_PER_TOKEN + output_tokens
+        admission = await self.limiter.admit(tenant, request.request_id, reserve)
         try:
-            response = await self._route(request, tenant, model, adapter)
+            response = await self._route(request, tenant, model, adapter).answer()
         except BaseException as exc:
             if admission is not None:
                 admission.end(exc.status if isinstance(exc, ApiError) else 500)
@@ -140,9 +160,7 @@ class RouterService:
             _end_with(response, admission)
         return response
 
-    async def _route(
-        self, request: Request, tenant: Tenant, model: str, adapter: str | None = None
-    ) -> Reply | Relay:
+    def _route(self, request: Request, tenant: Tenant, model: str, adapter: str | None = None) -> Forwarding:
         location = self.client_location(request)
         affinity = request.text_header(AFFINITY_HEADER)
         salt = self.cache_salt(tenant)
@@ -170,10 +188,13 @@ class RouterService:
             client_location=location,
             started=request.arrived,
         )
-        response = await self.forwarder.forward(forward, decision.ranked)
-        if session is not None and isinstance(response, Relay):
-            self.sessions.remember(session, response.node_id, tokens)
-        return response
+        if session is None:
+            return self.forwarder.begin(forward, decision.ranked)
+
+        def remember(relay: Relay) -> None:
+            self.sessions.remember(session, relay.node_id, tokens)
+
+        return self.forwarder.begin(forward, decision.ranked, remember)
 
     async def usage(self, tenant: Tenant, start: float | None, end: float | None) -> dict[str, Any]:
         """The tenant's usage across the fleet, from the ledger (`edgeinfer ledger`) over NATS, in the

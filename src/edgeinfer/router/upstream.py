@@ -105,6 +105,8 @@ class NodeConnection(asyncio.Protocol):
         """Drop the connection mid-exchange, by the router's choice (its client left, the answer is not
         wanted): how a node learns that its client left. The sink hears nothing: no failure of the node."""
         self._sink = None
+        if self.head is not None:
+            self.head.cancel()  # its answer is not wanted: nothing awaits it, nothing is to report
         self._drop()
 
     def _drop(self) -> None:
@@ -211,21 +213,30 @@ class NodePool:
         self.idle_timeout_s = idle_timeout_s
         self._idle: dict[NodeConnection, None] = {}
 
-    async def exchange(self, data: bytes, timeout_s: float) -> NodeConnection:
+    def send_idle(self, data: bytes, timeout_s: float) -> NodeConnection | None:
+        """Send `data` on the most recently used kept-alive connection, at once, where one is there (for
+        `exchange` to take over); None where a connection must be made first."""
+        while self._idle:
+            conn = self._idle.popitem()[0]
+            if not conn.lost and conn.transport is not None and not conn.transport.is_closing():
+                conn.send(data, timeout_s)
+                return conn
+        return None
+
+    async def exchange(
+        self, data: bytes, timeout_s: float, sent: NodeConnection | None = None
+    ) -> NodeConnection:
         """Send `data` and wait for the answer's head; it (and a body read whole) must come within
-        `timeout_s`, else TimeoutError. A kept-alive connection the node closed meanwhile is no failure of
-        the node: the request goes again on a new connection."""
+        `timeout_s`, else TimeoutError. `sent`: the connection `send_idle` sent `data` on already. A
+        kept-alive connection the node closed meanwhile is no failure of the node: the request goes again
+        on a new connection."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        conn = self._idle.popitem()[0] if self._idle else None
-        if (
-            conn is not None
-            and not conn.lost
-            and conn.transport is not None
-            and not conn.transport.is_closing()
-        ):
+        conn = sent if sent is not None else self.send_idle(data, timeout_s)
+        if conn is not None:
+            assert conn.head is not None
             try:
-                await conn.send(data, timeout_s)
+                await conn.head
                 return conn
             except UpstreamError:
                 if conn.got_bytes:
