@@ -352,8 +352,9 @@ void gemv_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
     while (rows > 0) {
       decode_rows(f, n0, n0 + rows, buffer.get());
       const int64_t next = std::min(kBlock, end - n0 - rows);
+      const edgeinfer_cpu::Ahead ahead = bytes_of(f, n0 + rows, n0 + rows + next);
       edgeinfer_cpu::bf16_tiles_rows(xs, m, buffer.get(), rows, f.k, out_f32 ? out_f32 + n0 : nullptr,
-                                     out_bf16 ? out_bf16 + n0 : nullptr, f.n, bytes_of(f, n0 + rows, n0 + rows + next));
+                                     out_bf16 ? out_bf16 + n0 : nullptr, f.n, ahead);
       n0 += rows;
       rows = next;
     }
