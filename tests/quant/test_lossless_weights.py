@@ -70,9 +70,12 @@ def test_round_trip_of_edge_values(ops):
 
 
 # every path: up to 6 rows decoded in registers; more through the tiles (4 x 4, then 1-3 rows left)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 10, 17, 32])
-# inputs: whole blocks of 64, a last block with one chunk of 32 (partial or whole) or two
-@pytest.mark.parametrize("shape", [(300, 640), (37, 70), (16, 32), (20, 100), (9, 96)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 10, 17, 32, 64])
+# inputs: whole blocks of 64, a last block with one chunk of 32 (partial or whole) or two; rows long enough
+# that a task's blocks hold fewer rows (1,100 inputs) and that the tiles decode none of the next (2,048)
+@pytest.mark.parametrize(
+    "shape", [(300, 640), (37, 70), (16, 32), (20, 100), (9, 96), (250, 1100), (190, 2048)]
+)
 def test_gemv_equals_bf16_gemv(ops, rows, shape):
     g = torch.Generator().manual_seed(rows)
     w = (torch.randn(shape, generator=g) * 0.05).bfloat16()

@@ -10,15 +10,22 @@
 // shuffle and a GF(2) affine product that transposes their bits), the table is one `vpermb`, the escaped lanes take their bytes through one merging `vpexpandb` (no
 // branch: most blocks of trained weights hold an escape, a branch on them would mispredict), and
 // `vpunpcklbw` / `vpunpckhbw` interleave low and high bytes into inputs 0-31 and 32-63 as bf16. The decoded
-// block is exactly the bf16 block, and the sums are those of bf16_tiles.cpp in the same order, so the
+// block is exactly the bf16 block, and the sums are those of bf16_tiles.h in the same order, so the
 // products equal `bf16_gemv`'s bit for bit: one activation row runs the chains of `tile_in_order` on the
-// blocks as they are decoded (one sequential stream per row, fewer bytes than bf16); several rows decode a
-// block of weight rows into a thread's buffer and run bf16_tiles.cpp's tiles on it (`bf16_tiles_rows`).
+// blocks as they are decoded (one sequential stream per row, fewer bytes than bf16); several rows run the
+// tiles of bf16_tiles.h on a block of weight rows decoded into a thread's buffer, the tiles decoding the
+// next block as they go (`DecodeSide`).
 //
 // Without AVX512-BF16, VBMI/VBMI2 and GFNI (or under a lower EDGEINFER_CPU_ISA cap) the weight is decoded whole
 // and multiplied by `bf16_gemv_out`: the same sums as the bf16 model's on that CPU, without the savings.
 
 #include "isa.h"
+
+#define EDGEINFER_TARGET_LOSSLESS \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx512vbmi2,gfni,popcnt")))
+#define EDGEINFER_TILES_TARGET EDGEINFER_TARGET_LOSSLESS  // the decoding side job inlines into the tiles
+
+#include "bf16_tiles.h"
 #include "ops.h"
 
 #include <ATen/ATen.h>
@@ -28,6 +35,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -39,9 +47,9 @@ constexpr int64_t kFirst = 16;   // the rows of a task's first block (a multiple
 constexpr int64_t kInputs = 64;  // inputs per block of codes (kernels/lossless.py BLOCK)
 constexpr int kEscape = 7;       // the code of an escaped high byte
 constexpr int64_t kGrainBytes = 64 * 1024;
-
-#define EDGEINFER_TARGET_LOSSLESS \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx512vbmi2,gfni,popcnt")))
+constexpr int64_t kBufferBytes = 128 * 1024;  // a task's block of decoded rows at most (beyond kFirst)
+constexpr int64_t kAhead = 32;                // blocks of 64 ahead of its decoding that DecodeSide fetches
+constexpr int64_t kRideL1Bytes = 24 * 1024;   // the tiles' L1 use up to which DecodeSide rides along
 
 // The form's tensors as raw pointers: `k` inputs a row, `kp` the same rounded up to whole blocks.
 struct Form {
@@ -143,7 +151,12 @@ EDGEINFER_TARGET_LOSSLESS inline void decode64(const Consts& c, const uint8_t* l
   // which picks column j: the lane's three bits. (Three masked adds from mask registers cost more: moving
   // the planes into mask registers is slow.) The escaped lanes' mask and count stay in general registers.
   const uint64_t x = escaped(p);
-  const __m512i planes = _mm512_maskz_loadu_epi64(0x7, p);
+  // Two plain loads, not one masked load of the 24 bytes: a masked load waits on the stores before it (on
+  // Zen 4 that stalled the decoding, and most of all the decoding interleaved with the tiles' products).
+  const __m256i planes_256 = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2)), 1);
+  const __m512i planes = _mm512_castsi256_si512(planes_256);
   const __m512i rows = _mm512_maskz_permutexvar_epi8(0xE0E0E0E0E0E0E0E0ull, c.spread, planes);
   const __m512i code = _mm512_gf2p8affine_epi64_epi8(c.select, rows, 0);
   __m512i high = _mm512_permutexvar_epi8(code, c.table);
@@ -155,7 +168,7 @@ EDGEINFER_TARGET_LOSSLESS inline void decode64(const Consts& c, const uint8_t* l
 }
 
 // The masks of a row's last, partial block: its first 32 inputs and its second 32 (a chunk without any is
-// not multiplied, as bf16_tiles.cpp's chains have no such chunk).
+// not multiplied, as bf16_tiles.h's chains have no such chunk).
 struct Tail {
   __mmask32 first, second;
 };
@@ -196,7 +209,7 @@ EDGEINFER_TARGET_LOSSLESS inline __m512 chunk(__m512 a, __m512i w, const uint16_
 }
 
 // Weight row `r` against activation rows [0, M), its blocks decoded once, in registers, and multiplied by
-// every activation row: M chains side by side (each a serial sum in bf16_tiles.cpp's order), whose vectors
+// every activation row: M chains side by side (each a serial sum in bf16_tiles.h's order), whose vectors
 // go to acc[m][n]. Returns the escape pointer after the row. (Two weight rows side by side keep more chains
 // going and are a little faster on a matrix in cache, but much slower on one streamed from memory.)
 template <int M>
@@ -231,7 +244,7 @@ EDGEINFER_TARGET_LOSSLESS const uint8_t* row_direct(const Form& f, const Consts&
 }
 
 // Activation rows [0, M) against weight rows [n0, n0 + 16) (fewer at the end), each weight row decoded as
-// it streams by (for one activation row: bf16_tiles.cpp's `tile_in_order`, chain for chain).
+// it streams by (for one activation row: bf16_tiles.h's `tile_in_order`, chain for chain).
 template <int M>
 EDGEINFER_TARGET_LOSSLESS void rows_direct(const Form& f, const Consts& c, const Tail& t, const uint16_t* x,
                                            int64_t n0, float* out_f32, at::BFloat16* out_bf16) {
@@ -323,22 +336,87 @@ void gemv_few_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
   }
 }
 
-// The compressed bytes of weight rows [n0, n1) (n0 a group's first row), or nothing where n0 >= n1.
-edgeinfer_cpu::Ahead bytes_of(const Form& f, int64_t n0, int64_t n1) {
-  if (n0 >= n1) return {{nullptr, nullptr, nullptr}, {nullptr, nullptr, nullptr}};
-  const auto* planes = reinterpret_cast<const char*>(f.planes);
-  const auto* escapes = reinterpret_cast<const char*>(f.escapes);
-  const int64_t plane_row = f.kp / kInputs * 3 * 8;
-  return {{reinterpret_cast<const char*>(f.low_bytes + n0 * f.kp), planes + n0 * plane_row,
-           escapes + f.offsets[n0 / kGroup]},
-          {reinterpret_cast<const char*>(f.low_bytes + n1 * f.kp), planes + n1 * plane_row,
-           escapes + f.offsets[(n1 + kGroup - 1) / kGroup]}};
+// A side job of the tiles (bf16_tiles.h): decodes weight rows into a buffer of rows `kp` apart, one block
+// of 64 every `every` steps of the tiles it rides along with, and fetches the compressed bytes kAhead blocks
+// ahead of it. Interleaved with the products, the decoding's byte shuffles and interleaves run on vector
+// ports the multiplier leaves idle; only its GF(2) product, mask move and expand take the multiplier's
+// (docs/lossless-weights.md).
+struct DecodeSide {
+  const Consts* c;  // not the vectors themselves: a tile keeps a copy of the job in registers
+  const uint8_t* low;
+  const uint64_t* p;
+  const uint8_t* esc;
+  uint16_t* out;
+  int64_t left;  // blocks still to decode
+  int64_t every, count;
+
+  // Rows [r0, r0 + rows) of `f` into `into`, the first escape at `first_escape`.
+  DecodeSide(const Form& f, const Consts& consts, int64_t r0, int64_t rows, const uint8_t* first_escape,
+             uint16_t* into)
+      : c(&consts),
+        low(f.low_bytes + r0 * f.kp),
+        p(f.planes + r0 * (f.kp / kInputs) * 3),
+        esc(first_escape),
+        out(into),
+        left(rows * (f.kp / kInputs)),
+        every(1),
+        count(1) {}
+
+  // One block in every `steps / left` steps: the whole job in `steps` where there are enough. Where the
+  // tiles keep most of L1 in use (wide rows), the job's streams would evict their rows: it rides along
+  // with none of the steps and decodes after them.
+  void ride(int64_t steps, int64_t tiles_l1_bytes) {
+    const bool room = tiles_l1_bytes <= kRideL1Bytes;
+    count = every = room ? std::max<int64_t>(1, steps / std::max<int64_t>(1, left)) : steps + 1;
+  }
+
+  EDGEINFER_TARGET_LOSSLESS void step() {
+    if (--count > 0) return;
+    count = every;
+    if (left > 0) one();
+  }
+
+  EDGEINFER_TARGET_LOSSLESS void finish() {
+    while (left > 0) one();
+  }
+
+  EDGEINFER_TARGET_LOSSLESS void one() {
+    _mm_prefetch(reinterpret_cast<const char*>(low + kAhead * kInputs), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * 3), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(esc + kAhead * 3), _MM_HINT_T0);
+    __m512i lo, hi;
+    decode64(*c, low, p, esc, lo, hi);
+    _mm512_storeu_si512(out, lo);
+    _mm512_storeu_si512(out + 32, hi);
+    low += kInputs;
+    p += 3;
+    out += kInputs;
+    --left;
+  }
+};
+
+// The calling thread's decode buffer of at least `values` bf16 values, 64-byte aligned as bf16 weights are
+// (the tiles' loads split cache lines otherwise). Kept between calls and only grown: one allocated per call
+// can be mapped afresh each time, which a small matrix's product feels.
+uint16_t* thread_buffer(int64_t values) {
+  struct Free {
+    void operator()(uint16_t* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<uint16_t, Free> buffer;
+  thread_local int64_t capacity = 0;
+  if (values > capacity) {
+    const int64_t bytes = (values * 2 + 63) / 64 * 64;
+    buffer.reset(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)));
+    TORCH_CHECK(buffer, "lossless_gemv: out of memory");
+    capacity = bytes / 2;
+  }
+  return buffer.get();
 }
 
-// Several activation rows: each task decodes its rows a block of kBlock at a time into a buffer and runs the
-// bf16 tiles on them, which meanwhile fetch the next block into L2: the decoding is then bound by its
-// instructions instead of waiting on memory (the tiles alone do not stream the weight). A task's first
-// block is short (kFirst rows: nothing runs while it is fetched), so the full blocks' bytes come in sooner.
+// Several activation rows: each task runs the bf16 tiles on a block of decoded weight rows (up to kBlock,
+// fewer where rows are long: two blocks stay in L2) while they decode the next block into a second buffer
+// (DecodeSide); what they leave of it is decoded after them. A task's first block is short (kFirst rows):
+// nothing hides its decoding.
 void gemv_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   float* out_f32 = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
@@ -346,15 +424,25 @@ void gemv_rows(const Form& f, const at::Tensor& x, at::Tensor& out) {
   const int64_t blocks = (f.n + kBlock - 1) / kBlock, m = x.size(0);
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kBlock * f.k * 2));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    const std::unique_ptr<uint16_t[]> buffer(new uint16_t[kBlock * f.k]);  // every value written before read
+    // two blocks of rows kp apart, every value the tiles read written first
+    const int64_t block_rows = std::clamp(kBufferBytes / (f.kp * 2) / kGroup * kGroup, kGroup, kBlock);
+    uint16_t* buffers = thread_buffer(2 * block_rows * f.kp);
+    uint16_t* buffer[2] = {buffers, buffers + block_rows * f.kp};
     const int64_t end = std::min(f.n, b1 * kBlock);
     int64_t n0 = b0 * kBlock, rows = std::min(kFirst, end - n0);
-    while (rows > 0) {
-      decode_rows(f, n0, n0 + rows, buffer.get());
-      const int64_t next = std::min(kBlock, end - n0 - rows);
-      const edgeinfer_cpu::Ahead ahead = bytes_of(f, n0 + rows, n0 + rows + next);
-      edgeinfer_cpu::bf16_tiles_rows(xs, m, buffer.get(), rows, f.k, out_f32 ? out_f32 + n0 : nullptr,
-                                     out_bf16 ? out_bf16 + n0 : nullptr, f.n, ahead);
+    const Consts c = consts_of(f);
+    DecodeSide first(f, c, n0, rows, f.escapes + f.offsets[n0 / kGroup], buffer[0]);
+    first.finish();
+    const uint8_t* esc = first.esc;
+    for (int at = 0; rows > 0; at ^= 1) {
+      const int64_t next = std::min(block_rows, end - n0 - rows);
+      DecodeSide side(f, c, n0 + rows, next, esc, buffer[at ^ 1]);
+      const tiles::Product p{xs, buffer[at], m, rows, f.k, out_f32 ? out_f32 + n0 : nullptr,
+                             out_bf16 ? out_bf16 + n0 : nullptr, f.n, f.kp};
+      side.ride(tiles::side_steps(p, 0, rows), tiles::tiles_l1_bytes(p));
+      tiles::block(p, 0, rows, &side);
+      side.finish();
+      esc = side.esc;
       n0 += rows;
       rows = next;
     }

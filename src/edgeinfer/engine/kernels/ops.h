@@ -40,16 +40,6 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w);
 
 // bf16_tiles.cpp (x86; AVX512-BF16 only)
 void bf16_tiles_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
-// Up to three byte ranges that a product fetches into L2 as it runs, spread over its steps.
-struct Ahead {
-  const char* begin[3];
-  const char* end[3];
-};
-// The same sums for weight rows w [n, k] (raw bf16 bits) alone, on the calling thread, into `out_f32` or
-// `out_bf16` [m, n] whose rows lie `ldo` apart, fetching `ahead` meanwhile (lossless_gemv.cpp: a block of
-// rows it has decoded, and the next block's compressed bytes, which its decoding then finds in cache).
-void bf16_tiles_rows(const uint16_t* x, int64_t m, const uint16_t* w, int64_t n, int64_t k, float* out_f32,
-                     at::BFloat16* out_bf16, int64_t ldo, const Ahead& ahead);
 
 // lossless_gemv.cpp: a bf16 weight in the lossless resident form (kernels/lossless.py), read where it lies
 void lossless_gemv_out(const at::Tensor& x, const at::Tensor& low_bytes, const at::Tensor& planes,
