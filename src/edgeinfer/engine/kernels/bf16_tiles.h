@@ -1,5 +1,5 @@
-// The register tiles of bf16 products y[M, N] = x[M, K] @ W[N, K]^T on AVX512-BF16 (bf16_tiles.cpp), for
-// the files that run them: bf16_tiles.cpp on bf16 weights, lossless_gemv.cpp on weight rows it decodes.
+// The register tiles of bf16 products y[M, N] = x[M, K] @ W[N, K]^T on AVX512-BF16, for the files that run
+// them: bf16_tiles.cpp on bf16 weights, lossless_gemv.cpp on weight rows it decodes.
 //
 // `vdpbf16ps` multiplies 32 bf16 pairs into 16 fp32 lanes. Every output is one chain of these over K (a
 // masked last chunk where K is not a multiple of 32), then its 16 lanes summed by halving (8, 4, 2, 1
@@ -14,7 +14,7 @@
 // decode step, bound by the weight stream) reads its 16 weight rows one after another instead, each start
 // to end: one sequential stream.
 //
-// Each step of a 4 x 4 tile (32 inputs) also runs a side job (`Side::step`): fetching the next weight tile
+// Each step of a tile (32 inputs) also runs a side job (`Side::step`): fetching the next weight tile
 // into L2 (NextTile; the first pass over a block, from activation row 0), nothing (NoSide), or the caller's
 // own (lossless_gemv.cpp decodes its next block of weight rows). A tile copies the side job into a local
 // for its loop and is always inlined into its caller: so the job's state and constants stay in registers
