@@ -1,19 +1,23 @@
 """Decode from lossless resident weights (`--weights lossless`, kernels/lossless.py) against bf16, in one run:
 resident weight bytes, single-stream decode tok/s and 32-concurrent decode tok/s.
 
-Gemma 3 270M (the default model: bf16 from its GGUF) in-process, one engine per weight form, each at the
-process's default thread count, taking turns `--rounds` times. Single stream: one random prompt, the rate of
+Gemma 3 270M (the default model: bf16 from its GGUF), or the bf16 checkpoint `--model` names (the MoE
+benchmark's GLM-4.5-shaped model: bench/moe_vs_llamacpp.py builds it under bench/.peers/moe/glm45/hf),
+in-process, one engine per weight form, each at the process's default thread count, taking turns
+`--rounds` times. Single stream: one random prompt, the rate of
 the steps after its first token (each one token through the fused decode step). Concurrent: `--concurrency`
 prompts at once, decode tokens over the time from the last prompt's first token to the end. Both forms give
 the same tokens (checked). Below the table: the products alone (`bf16_gemv` vs `lossless_gemv`) on the
 lm_head's shape, one row and 32, best of a few calls.
 
-    .venv/bin/python bench/lossless_weights.py [--tokens 32] [--rounds 3] [--concurrency 32] [--write-docs]
+    .venv/bin/python bench/lossless_weights.py [--model DIR] [--tokens 32] [--rounds 3] [--concurrency 32]
+        [--write-docs]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import statistics
@@ -37,10 +41,10 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 FORMS = ("bf16", "lossless")
 
 
-def engine_for(weights: str) -> LLMEngine:
+def engine_for(weights: str, model: str | None = None) -> LLMEngine:
     """No step-time budget or batch window: prefills in full chunks, decode steps at once."""
     config = EngineConfig(weights=weights, max_step_ms=None, shared_step_ms=None, batch_window_ms=0)
-    return LLMEngine(config)
+    return LLMEngine(config if model is None else dataclasses.replace(config, model=model))
 
 
 def decode_rate(engine: LLMEngine, prompts: list[list[int]], tokens: int, tag: str) -> tuple[float, list]:
@@ -65,10 +69,11 @@ def decode_rate(engine: LLMEngine, prompts: list[list[int]], tokens: int, tag: s
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    engines = {form: engine_for(form, args.model) for form in FORMS}
+    vocab = min(200_000, engines["bf16"].model.args.vocab_size)
     rng = random.Random(7)
-    prompt = [rng.randrange(1000, 200_000) for _ in range(args.prompt)]
-    many = [[rng.randrange(1000, 200_000) for _ in range(args.prompt)] for _ in range(args.concurrency)]
-    engines = {form: engine_for(form) for form in FORMS}
+    prompt = [rng.randrange(vocab // 100, vocab) for _ in range(args.prompt)]
+    many = [[rng.randrange(vocab // 100, vocab) for _ in range(args.prompt)] for _ in range(args.concurrency)]
     for form, engine in engines.items():
         assert form == "bf16" or engine.runner.fused is not None, "the lossless model left the fused step"
         decode_rate(engine, [prompt[:16]], 8, "warm-up")
@@ -126,14 +131,15 @@ def table(rows: dict[str, dict[str, float]], args: argparse.Namespace, load: flo
     )
     base = rows["bf16"]
     lines = [
-        f"### Lossless resident weights against bf16, {peers.cpu_family()} CPU",
+        f"### Lossless resident weights against bf16{'' if args.model is None else ', ' + model_name(args)}, "
+        f"{peers.cpu_family()} CPU",
         "",
         f"Machine: {peers.cpuinfo_field('model name')}, {os.cpu_count()} CPUs ({flags}), the default thread "
         f"count; 1-min load average {load:.1f} before (the machine is shared with other work).",
-        f"Model: Gemma 3 270M (bf16 from its GGUF), in-process, one engine per weight form, taking turns; "
+        f"Model: {model_name(args)}, in-process, one engine per weight form, taking turns; "
         f"{args.tokens} tokens decoded after a {args.prompt}-token random prompt, alone and "
         f"{args.concurrency} at once; median of {args.rounds} rounds; the greedy tokens are the same.",
-        "Command: `.venv/bin/python bench/lossless_weights.py --write-docs`",
+        f"Command: `.venv/bin/python bench/lossless_weights.py{model_flag(args)} --write-docs`",
         "",
         "| weights | resident weight bytes | vs bf16 | decode alone (tok/s) | vs bf16 "
         f"| decode, {args.concurrency} at once (tok/s) | vs bf16 |",
@@ -144,11 +150,22 @@ def table(rows: dict[str, dict[str, float]], args: argparse.Namespace, load: flo
             f"| {form} | {r['bytes']:,} | {r['bytes'] / base['bytes']:.1%} | {r['one']:.1f} "
             f"| {r['one'] / base['one']:.2f}x | {r['many']:.1f} | {r['many'] / base['many']:.2f}x |"
         )
-    return "\n".join([*lines, "", kernel])
+    return "\n".join([*lines, "", kernel] if kernel else lines)
+
+
+def model_name(args: argparse.Namespace) -> str:
+    if args.model is None:
+        return "Gemma 3 270M (bf16 from its GGUF)"
+    return f"`{Path(args.model).resolve().parent.name}` ({args.model}, bf16)"
+
+
+def model_flag(args: argparse.Namespace) -> str:
+    return "" if args.model is None else f" --model {args.model}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="a bf16 checkpoint directory (default: the default model)")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
@@ -156,10 +173,13 @@ def main() -> None:
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     load = os.getloadavg()[0]
-    text = table(measure(args), args, load, kernel_line())
+    rows = measure(args)
+    # the products alone on Gemma's lm_head: under the default model's table only
+    text = table(rows, args, load, kernel_line() if args.model is None else "")
     print(text)
     if args.write_docs:
-        replace_section(DOCS, f"lossless-weights-{peers.cpu_family()}", text)
+        name = "" if args.model is None else f"-{Path(args.model).resolve().parent.name}"
+        replace_section(DOCS, f"lossless-weights{name}-{peers.cpu_family()}", text)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """Our one-call MoE block (moe_block.cpp) against the torch form of the same SparseMoeBlock: each routing
 (softmax, sigmoid with a correction bias, DeepSeek's group-limited), with and without a shared expert, bf16
-and int4 experts; and a token's output does not depend on what it is batched with."""
+and int4 experts; a token's output does not depend on what it is batched with; and experts in the lossless
+form compute the bf16 block's bits, in both forms of the block."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from helpers.kernels import require_gemv_kernels
 
 from edgeinfer.engine.kernels.bf16 import use_bf16_gemv
+from edgeinfer.engine.kernels.lossless import LosslessExperts, use_lossless
 from edgeinfer.engine.model.moe import MoeSpec, SparseMoeBlock
 from edgeinfer.engine.model.routing import RouterSpec
 from edgeinfer.engine.quant.experts import QuantizedExperts
@@ -86,3 +90,20 @@ def test_a_token_is_computed_alike_in_any_batch(router: str, form: str) -> None:
     together = block(x)
     alone = torch.cat([block(x[i : i + 1]) for i in range(len(x))])
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_lossless_experts_compute_the_bf16_block(router: str) -> None:
+    """The expert stacks (and the shared expert's linears) in the lossless form: the same bits as the bf16
+    block, through torch (each stack decoded for the call) and through our block (each expert multiplied
+    where it lies: lossless_gemv up to its rows limit, torch's GEMM on the decoded expert beyond), one token
+    or 37 at a time."""
+    plain = _block(router, shared=True, seed=2)
+    packed = copy.deepcopy(plain)
+    assert packed.experts.use_lossless() == 2 and use_lossless(packed) == 2
+    assert isinstance(packed.experts.gate_up_proj, LosslessExperts)
+    x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    assert torch.equal(packed(x), plain(x))
+    assert plain.use_kernel(runtime().kernels) and packed.use_kernel(runtime().kernels)
+    for rows in (x[:1], x[:5], x):
+        assert torch.equal(packed(rows), plain(rows))

@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.fused_step import bf16_engine, greedy_answers
-from helpers.tiny_models import make_tiny
+from helpers.tiny_models import MOE_FAMILIES, make_tiny
 from safetensors.torch import load_file, save_file
 
 from edgeinfer.engine import kernels
 from edgeinfer.engine.config import EngineConfig
 from edgeinfer.engine.kernels import lossless, ops
-from edgeinfer.engine.kernels.lossless import LosslessEmbedding, LosslessLinear
+from edgeinfer.engine.kernels.lossless import LosslessEmbedding, LosslessExperts, LosslessLinear
 from edgeinfer.engine.loading import load_model, weight_bytes
 from edgeinfer.engine.model.loader import open_checkpoint
+from edgeinfer.engine.model.moe import SparseMoeBlock
 
 PROMPTS = [[3, 14, 15, 92, 65], list(range(4, 26)), [7] * 9]
 MAX_TOKENS = 8
@@ -119,6 +120,25 @@ def test_lossless_engine_answers_as_bf16(ops, tiny_models, family):
     assert torch.equal(model.model.embed_tokens(ids), plain.model.model.embed_tokens(ids))
 
 
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_lossless_moe_answers_as_bf16(ops, tmp_path, family):
+    """Expert stacks (and shared experts) in the form, through our MoE block: the bf16 model's tokens and
+    logprobs, a sequence at a time and batched."""
+    if not kernels.cpu_has_avx2():
+        pytest.skip("bf16 models keep torch's kernels without AVX2")
+    path = str(make_tiny(family, tmp_path / family))
+    plain = bf16_engine(path, prepared_cache=False)
+    packed = bf16_engine(path, prepared_cache=False, weights="lossless")
+    blocks = [m for m in packed.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(isinstance(b.experts.down_proj, LosslessExperts) for b in blocks)
+    assert all(b.kernel_block is not None for b in blocks)
+    assert packed.layout.weight_bytes < plain.layout.weight_bytes
+    for together in (False, True):
+        assert greedy_answers(packed, PROMPTS, MAX_TOKENS, together) == greedy_answers(
+            plain, PROMPTS, MAX_TOKENS, together
+        )
+
+
 def load(path: str, cache_dir: Path, **kw) -> torch.nn.Module:
     config = EngineConfig(model=path, cache_dir=str(cache_dir), **kw)
     return load_model(open_checkpoint(path), torch.bfloat16, torch.device("cpu"), config)
@@ -136,6 +156,18 @@ def test_prepared_cache_keeps_the_form(ops, tiny_models, tmp_path, monkeypatch, 
         assert torch.equal(a, b)
     # a tied head and its embedding share one form in the cache as in the fresh load
     assert cached.lm_head.planes is cached.model.embed_tokens.planes
+
+
+def test_prepared_cache_keeps_the_expert_stacks(ops, tiny_moe, tmp_path, monkeypatch, caplog):
+    fresh = load(tiny_moe, tmp_path, weights="lossless")
+    monkeypatch.setattr(lossless, "encode", lambda w: pytest.fail("a cached load encoded again"))
+    with caplog.at_level(logging.INFO, logger="edgeinfer.engine.prepared"):
+        cached = load(tiny_moe, tmp_path, weights="lossless")
+    assert "loaded the prepared model" in caplog.text
+    stacks = [m for m in cached.modules() if isinstance(m, LosslessExperts)]
+    assert stacks and all(s.num_experts == 8 for s in stacks)
+    for a, b in zip(fresh.state_dict().values(), cached.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_eiz_directory_serves_the_form(ops, tiny_models, tmp_path):

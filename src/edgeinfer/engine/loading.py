@@ -26,6 +26,7 @@ from edgeinfer.engine.kv_cache import KVGroups, plan_groups
 from edgeinfer.engine.kv_cache.groups import mirror_groups
 from edgeinfer.engine.model.loader import Checkpoint
 from edgeinfer.engine.model.loader.base import cast_floating
+from edgeinfer.engine.model.moe import FusedExperts
 from edgeinfer.engine.model.moe_lm import MoeCausalLM
 from edgeinfer.engine.model.registry import build_model
 from edgeinfer.engine.model.skip_init import SkipInit
@@ -158,6 +159,7 @@ def _use_lossless(model: nn.Module, required: bool) -> None:
         return
     before = weight_bytes(model)
     swapped = use_lossless(model)
+    swapped += sum(m.use_lossless() for m in model.modules() if isinstance(m, FusedExperts))
     log.info(
         "lossless weights: %d modules; weights %.1f MiB -> %.1f MiB",
         swapped,

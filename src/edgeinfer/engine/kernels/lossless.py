@@ -225,6 +225,41 @@ class LosslessEmbedding(_Holds):
         return f"{self.num_embeddings}, {self.in_features}, lossless"
 
 
+class LosslessExperts(_Holds):
+    """A stack of experts' bf16 weights `[E, N, K]` in the lossless form, as one matrix of its E·N rows:
+    expert e's rows are [e·N, (e+1)·N), whose escapes start at a group's offset (N a multiple of GROUP).
+    Our MoE block (kernels/moe_block.cpp) multiplies each expert where it lies; the torch path decodes the
+    stack (`weight`)."""
+
+    def __init__(self, form: LosslessForm, num_experts: int) -> None:
+        super().__init__()
+        self._hold(form)
+        self.num_experts = num_experts
+        self.out_features = int(form.low_bytes.shape[0]) // num_experts
+
+    @classmethod
+    def of(cls, stack: torch.Tensor) -> LosslessExperts | None:
+        """`stack` `[E, N, K]` (bf16, on CPU) in the form, or None where its experts' rows cannot be sliced
+        at a group of escape offsets (N not a multiple of GROUP)."""
+        if stack.dtype != torch.bfloat16 or stack.dim() != 3 or stack.device.type != "cpu":
+            return None
+        if stack.shape[1] % GROUP:
+            return None
+        experts, n, k = stack.shape
+        return cls(encode(stack.detach().reshape(experts * n, k)), experts)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.num_experts, self.out_features, self.in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return super().weight.view(self.shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_experts} x ({self.in_features} -> {self.out_features}), lossless"
+
+
 def use_lossless(model: nn.Module) -> int:
     """Replace the model's bf16 linear layers (`nn.Linear`, `GemvLinear`) and embeddings on CPU by lossless
     ones in place; a weight shared by several (a tied lm_head) is encoded once and its form shared. Returns

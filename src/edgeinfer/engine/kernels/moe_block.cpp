@@ -121,6 +121,17 @@ ExpertStack::ExpertStack(const step::Tensors& t, const step::Numbers& c, const s
                 ": expert weights must be contiguous bf16 [E, N, K]");
     return;
   }
+  if (t.contains(name + ".planes")) {
+    low_bytes = step::get(t, name + ".low_bytes");
+    planes = step::get(t, name + ".planes");
+    escapes = step::get(t, name + ".escapes");
+    offsets = step::get(t, name + ".offsets");
+    table = step::get(t, name + ".table");
+    lossless_experts = static_cast<int64_t>(number(c, name + ".experts"));
+    TORCH_CHECK(lossless_experts > 0 && low_bytes.size(0) % (16 * lossless_experts) == 0, name,
+                ": a lossless expert stack's experts must each start a group of 16 rows");
+    return;
+  }
   codes = step::get(t, name + ".codes");
   scales = step::get(t, name + ".scales");
   zero_terms = step::get(t, name + ".zero_terms");
@@ -130,6 +141,14 @@ ExpertStack::ExpertStack(const step::Tensors& t, const step::Numbers& c, const s
 }
 
 at::Tensor ExpertStack::operator()(const at::Tensor& rows, int64_t e, const step::Limits& lim) const {
+  if (lossless_experts) {
+    // expert e's rows of the form: its low bytes and planes, and its groups' offsets into the shared list
+    const int64_t n = low_bytes.size(0) / lossless_experts, k = rows.size(1);
+    const at::Tensor low = low_bytes.narrow(0, e * n, n), bits = planes.narrow(0, e * n, n);
+    const at::Tensor starts = offsets.narrow(0, e * n / 16, n / 16 + 1);
+    if (rows.size(0) > lim.gemv_rows) return at::linear(rows, lossless_decode(k, low, bits, escapes, starts, table));
+    return lossless_gemv(rows, low, bits, escapes, starts, table);
+  }
   const at::Tensor w = weight.select(0, e);
   return rows.size(0) > lim.gemv_rows ? at::linear(rows, w) : bf16_gemv(rows, w);
 }
@@ -186,7 +205,9 @@ MoeBlock::MoeBlock(step::Tensors t, step::Numbers c) {
   TORCH_CHECK(router_.top_k > 0 && router_.top_k <= experts && experts % router_.n_group == 0 &&
                   router_.topk_group <= router_.n_group,
               "MoeBlock: bad top_k or groups");
-  shared_ = t.contains("shared_gate_up.weight") || t.contains("shared_gate_up.codes");
+  // a shared expert in any form a Linear reads (bf16, lossless, int4)
+  shared_ = t.contains("shared_gate_up.weight") || t.contains("shared_gate_up.planes") ||
+            t.contains("shared_gate_up.codes");
   if (shared_) {
     shared_gate_up_ = step::Linear(t, c, "shared_gate_up");
     shared_down_ = step::Linear(t, c, "shared_down");

@@ -13,16 +13,20 @@
 
 namespace edgeinfer_cpu {
 
-// The experts of one projection, stacked [E, N, K]: a bf16 `weight`, or int4_gemv's `codes` / `scales` /
-// `zero_terms` with a leading expert dimension.
+// The experts of one projection, stacked [E, N, K]: a bf16 `weight`; the lossless form of its E * N rows
+// (kernels/lossless.py LosslessExperts: expert e's rows start a group of escape offsets); or int4_gemv's
+// `codes` / `scales` / `zero_terms` with a leading expert dimension.
 struct ExpertStack {
   at::Tensor weight, codes, scales, zero_terms;
-  int64_t group = 0;
+  at::Tensor low_bytes, planes, escapes, offsets, table;
+  int64_t group = 0, lossless_experts = 0;
 
   ExpertStack() = default;
   ExpertStack(const step::Tensors& t, const step::Numbers& c, const std::string& name);
-  int64_t experts() const { return weight.defined() ? weight.size(0) : codes.size(0); }
-  // bf16 only: rows [n, K] @ expert e's weight^T -> [n, N] bf16
+  int64_t experts() const {
+    return weight.defined() ? weight.size(0) : lossless_experts ? lossless_experts : codes.size(0);
+  }
+  // bf16 or lossless: rows [n, K] @ expert e's weight^T -> [n, N] bf16
   at::Tensor operator()(const at::Tensor& rows, int64_t e, const step::Limits& lim) const;
   bool int4() const { return codes.defined(); }
   // int4 only: rows start[e] .. start[e + 1] of x [R, K] (bf16, contiguous) @ expert e's weight^T -> [R, N]

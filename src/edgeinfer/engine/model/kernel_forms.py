@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from edgeinfer.engine.kernels.bf16 import GemvLinear
-from edgeinfer.engine.kernels.lossless import LosslessLinear, form_of
+from edgeinfer.engine.kernels.lossless import LosslessExperts, LosslessLinear, form_of
 from edgeinfer.engine.quant.experts import QuantizedExperts
 from edgeinfer.engine.quant.layers import QuantLinear
 
@@ -28,8 +28,11 @@ def linear_form(linear: nn.Module) -> Form | None:
     return None
 
 
-def experts_form(stack: nn.Parameter | QuantizedExperts) -> Form | None:
-    """A stack of experts' weights `[E, N, K]` in bf16, or in the int4 kernel's layout."""
+def experts_form(stack: nn.Parameter | QuantizedExperts | LosslessExperts) -> Form | None:
+    """A stack of experts' weights `[E, N, K]` in bf16, in the lossless form, or in the int4 kernel's
+    layout."""
+    if isinstance(stack, LosslessExperts):
+        return form_of(stack).tensors(), {"experts": stack.num_experts}
     if isinstance(stack, QuantizedExperts):
         if stack.kernel != "cpu_w4a8":
             return None

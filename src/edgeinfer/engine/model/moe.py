@@ -16,6 +16,7 @@ from torch import nn
 
 from edgeinfer.engine.kernels import ops
 from edgeinfer.engine.kernels.limits import KernelLimits
+from edgeinfer.engine.kernels.lossless import LosslessExperts
 from edgeinfer.engine.model.kernel_forms import Form, experts_form, linear_form, prefixed
 from edgeinfer.engine.model.layers.activation import get_activation
 from edgeinfer.engine.model.layers.mlp import ACT_CODES, GatedMLP
@@ -74,15 +75,31 @@ class FusedExperts(nn.Module):
             delattr(self, name)  # a Parameter slot cannot take a module
             setattr(self, name, stacked)
 
+    def use_lossless(self) -> int:
+        """Swap the bf16 stacks for their lossless form (kernels/lossless.py) where it slices by expert;
+        returns how many changed."""
+        swapped = 0
+        for name in EXPERT_STACKS:
+            weight = getattr(self, name)
+            if not isinstance(weight, nn.Parameter) or (stack := LosslessExperts.of(weight)) is None:
+                continue
+            delattr(self, name)  # a Parameter slot cannot take a module
+            setattr(self, name, stack)
+            swapped += 1
+        return swapped
+
     @property
     def uses_grouped_mm(self) -> bool:
         """Whether the grouped GEMM runs (decided by the current device, dtype and widths)."""
         w = self.down_proj
         if isinstance(w, QuantizedExperts):
             return False
-        elem = w.element_size()
-        aligned = all(dim * elem % 16 == 0 for dim in w.shape[1:])
-        return w.device.type == "cpu" and w.dtype in _GROUPED_MM_DTYPES and aligned
+        if isinstance(w, LosslessExperts):  # decoded for the call: bf16 where the form lies
+            dtype, device = torch.bfloat16, w.low_bytes.device
+        else:
+            dtype, device = w.dtype, w.device
+        aligned = all(dim * dtype.itemsize % 16 == 0 for dim in w.shape[1:])
+        return device.type == "cpu" and dtype in _GROUPED_MM_DTYPES and aligned
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], expert_ids / weights [T, k] → Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]), [T, H]."""
@@ -99,8 +116,12 @@ class FusedExperts(nn.Module):
         weighted = (pairs.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).to(x.dtype)
         return weighted.sum(dim=1)
 
-    def _grouped(self, rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _grouped(
+        self, rows: torch.Tensor, w: torch.Tensor | QuantizedExperts | LosslessExperts, counts: torch.Tensor
+    ) -> torch.Tensor:
         """rows [N, in] sorted by expert, `counts[e]` of them for expert e → rows @ w[e].T, [N, out]."""
+        if isinstance(w, LosslessExperts):
+            w = w.weight  # the stack decoded for this call: the same products as the bf16 stack's
         if self.uses_grouped_mm:
             return F.grouped_mm(rows, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         quantized = isinstance(w, QuantizedExperts)
