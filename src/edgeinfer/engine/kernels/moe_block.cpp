@@ -34,6 +34,8 @@ namespace {
 
 using step::number;
 
+constexpr int64_t kLosslessGroup = 16;  // rows per escape offset of a lossless form (kernels/lossless.py GROUP)
+
 inline float round_bf16(float f) { return static_cast<float>(c10::BFloat16(f)); }
 
 // The `keep` best of `n` indices by `score` (higher first, the lower index first among equals).
@@ -128,8 +130,8 @@ ExpertStack::ExpertStack(const step::Tensors& t, const step::Numbers& c, const s
     offsets = step::get(t, name + ".offsets");
     table = step::get(t, name + ".table");
     lossless_experts = static_cast<int64_t>(number(c, name + ".experts"));
-    TORCH_CHECK(lossless_experts > 0 && low_bytes.size(0) % (16 * lossless_experts) == 0, name,
-                ": a lossless expert stack's experts must each start a group of 16 rows");
+    TORCH_CHECK(lossless_experts > 0 && low_bytes.size(0) % (kLosslessGroup * lossless_experts) == 0, name,
+                ": a lossless expert stack's experts must each start a group of escape offsets");
     return;
   }
   codes = step::get(t, name + ".codes");
@@ -145,7 +147,7 @@ at::Tensor ExpertStack::operator()(const at::Tensor& rows, int64_t e, const step
     // expert e's rows of the form: its low bytes and planes, and its groups' offsets into the shared list
     const int64_t n = low_bytes.size(0) / lossless_experts, k = rows.size(1);
     const at::Tensor low = low_bytes.narrow(0, e * n, n), bits = planes.narrow(0, e * n, n);
-    const at::Tensor starts = offsets.narrow(0, e * n / 16, n / 16 + 1);
+    const at::Tensor starts = offsets.narrow(0, e * n / kLosslessGroup, n / kLosslessGroup + 1);
     if (rows.size(0) > lim.gemv_rows) return at::linear(rows, lossless_decode(k, low, bits, escapes, starts, table));
     return lossless_gemv(rows, low, bits, escapes, starts, table);
   }
