@@ -153,10 +153,15 @@ def table(rows: dict[str, dict[str, float]], args: argparse.Namespace, load: flo
     return "\n".join([*lines, "", kernel] if kernel else lines)
 
 
+def model_label(args: argparse.Namespace) -> str:
+    """The `--model` directory's parent's name (bench/.peers/moe/glm45/hf -> glm45)."""
+    return Path(args.model).resolve().parent.name
+
+
 def model_name(args: argparse.Namespace) -> str:
     if args.model is None:
         return "Gemma 3 270M (bf16 from its GGUF)"
-    return f"`{Path(args.model).resolve().parent.name}` ({args.model}, bf16)"
+    return f"`{model_label(args)}` ({args.model}, bf16)"
 
 
 def model_flag(args: argparse.Namespace) -> str:
@@ -178,7 +183,7 @@ def main() -> None:
     text = table(rows, args, load, kernel_line() if args.model is None else "")
     print(text)
     if args.write_docs:
-        name = "" if args.model is None else f"-{Path(args.model).resolve().parent.name}"
+        name = "" if args.model is None else f"-{model_label(args)}"
         replace_section(DOCS, f"lossless-weights{name}-{peers.cpu_family()}", text)
 
 

@@ -73,11 +73,14 @@ void check(const at::Tensor& x, const at::Tensor& low, const at::Tensor& planes,
   TORCH_CHECK(escapes.scalar_type() == at::kByte && escapes.dim() == 1 && escapes.is_contiguous(),
               "lossless_gemv: escapes must be contiguous uint8");
   const int64_t groups = (low.size(0) + kGroup - 1) / kGroup;
-  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == groups + 1,
-              "lossless_gemv: offsets must be int64 [ceil(N / 16) + 1]");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.is_contiguous() &&
+                  offsets.size(0) == groups + 1,
+              "lossless_gemv: offsets must be contiguous int64 [ceil(N / 16) + 1]");
   TORCH_CHECK(table.scalar_type() == at::kByte && table.numel() == 8 && table.is_contiguous(),
               "lossless_gemv: table must be uint8 [8]");
-  TORCH_CHECK(escapes.size(0) >= offsets[groups].item<int64_t>() + kInputs, "lossless_gemv: escapes lack padding");
+  // the list's end read in place (an indexing op and `item` cost as much as a small product)
+  TORCH_CHECK(escapes.size(0) >= offsets.data_ptr<int64_t>()[groups] + kInputs,
+              "lossless_gemv: escapes lack padding");
 }
 
 Form form_of(int64_t k, const at::Tensor& low, const at::Tensor& planes, const at::Tensor& escapes,
