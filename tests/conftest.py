@@ -11,7 +11,8 @@ from helpers.tiny_models import make_tiny
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache_dir(tmp_path_factory):
     """Prepared models and compiled graphs go to a directory of this session, not the user's cache; our
-    CPU kernels keep being built in the user's cache (builds are keyed by their source, ~10 s each)."""
+    CPU kernels keep being built in the user's cache (builds are keyed by their source, ~10 s each); no
+    command hands itself to a standby unless its test says so."""
     from edgeinfer.engine.cache_dir import cache_root
 
     with pytest.MonkeyPatch.context() as mp:
@@ -19,6 +20,8 @@ def _private_cache_dir(tmp_path_factory):
             "TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache_root() / "extensions")
         )
         mp.setenv("EDGEINFER_CACHE_DIR", str(tmp_path_factory.mktemp("edgeinfer-cache")))
+        # a developer's standby must not run the tests' commands (tests/cli/test_standby.py starts its own)
+        mp.setenv("EDGEINFER_STANDBY", "off")
         yield
 
 

@@ -109,6 +109,25 @@ def test_damaged_entry_is_rejected_and_rebuilt(damage, tiny_models, tmp_path, ca
     assert torch.equal(logits(again), want)
 
 
+def test_a_checked_entry_is_not_hashed_again_until_it_is_written(tiny_models, tmp_path, monkeypatch, caplog):
+    path = tiny_models["gemma3"]
+    want = logits(load(path, tmp_path, "int8"))  # a miss: writes the entry
+    hashed = []
+    real = store._digest
+    monkeypatch.setattr(store, "_digest", lambda tensors: hashed.append(1) or real(tensors))
+    load(path, tmp_path, "int8")  # the first hit hashes the file and stamps it
+    assert len(hashed) == 1
+    assert torch.equal(logits(load(path, tmp_path, "int8")), want)
+    assert len(hashed) == 1  # the stamp matched: no second hash
+    (entry,) = entries(tmp_path)
+    time.sleep(0.05)  # file times move in the kernel's ticks (a few ms): the write lands in a later one
+    _flip_bytes(entry)
+    with caplog.at_level(logging.INFO, logger="edgeinfer.engine.prepared"):
+        rebuilt = load(path, tmp_path, "int8")
+    assert len(hashed) >= 2 and REJECTED in caplog.text
+    assert torch.equal(logits(rebuilt), want)
+
+
 def test_changed_source_or_settings_miss(tiny_models, tmp_path, caplog):
     src = tmp_path / "model"
     shutil.copytree(tiny_models["gemma3"], src)

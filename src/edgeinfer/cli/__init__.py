@@ -37,6 +37,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("edgeinfer.cli.quantize", "write a weight-quantized checkpoint"),
     "compress": ("edgeinfer.cli.quantize", "write a losslessly compressed BF16 checkpoint"),
     "eval": ("edgeinfer.eval.cli", "perplexity and divergence against a baseline"),
+    "standby": (
+        "edgeinfer.cli.standby.server",
+        "keep torch and the engine imported; `serve`, `generate` and `embed` start as its forks",
+    ),
 }
 
 
@@ -66,7 +70,18 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The process's entry point: a running standby (`edgeinfer standby`) runs the command if it can."""
+    if argv is None:
+        from edgeinfer.cli.standby.client import hand_off
+
+        argv = sys.argv[1:]
+        if (code := hand_off(argv)) is not None:
+            return code
+    return run_here(argv)
+
+
+def run_here(argv: list[str]) -> int:
+    """Run the command in this process."""
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

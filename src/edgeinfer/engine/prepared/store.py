@@ -2,10 +2,15 @@
 
 An entry holds the runtime tensors of a loaded model (dequantized bf16, or quantized tensors in the
 kernels' layout) and, in its metadata, the snapshot spec (snapshot.py) and an xxh3-128 digest of every
-tensor's bytes. Loading checks the digest (cheap next to the load itself) before the tensors are
-used: a truncated file fails to open, a flipped byte fails the digest, and either way the entry is
-deleted and the model is loaded afresh. Entries are written to a temporary file and renamed, so a
-concurrent reader sees a whole entry or none.
+tensor's bytes. Loading checks the digest before the tensors are used: a truncated file fails to open, a
+flipped byte fails the digest, and either way the entry is deleted and the model is loaded afresh.
+Entries are written to a temporary file and renamed, so a concurrent reader sees a whole entry or none.
+
+The digest reads every byte (a tenth of a second per GB here, most of a restart's load), so a load that
+found it right leaves a stamp beside the entry (`KEY.verified`): the digest and the file's identity, its
+inode, size, modification and change times. A later load of a file with that identity skips the hash:
+any write to the file moves its change time, which no one can set back, and a replaced file is a new inode.
+What the stamp gives up is a second look at a file no one wrote: a disk that flips a bit later.
 
 A load marks its entry used (its mtime); writing an entry removes those unused for `UNUSED_DAYS`. A new
 edgeinfer, torch or CPU keys every model afresh, and the entries it leaves behind (hundreds of MB each)
@@ -52,14 +57,15 @@ class PreparedCache:
             return None
         start = time.perf_counter()
         try:
-            tensors, spec = _read(path)
-            model = restore(build_meta(), tensors, spec)
+            tensors, meta = _read(path)
+            model = restore(build_meta(), tensors, meta["spec"])
         except Exception as e:  # any damage: unreadable header, digest mismatch, a spec that no longer fits
             log.warning("prepared cache entry %s rejected (%s); loading afresh", path, e)
-            path.unlink(missing_ok=True)
+            _remove(path)
             return None
         log.info("loaded the prepared model from %s in %.2f s", path, time.perf_counter() - start)
         _mark_used(path)
+        _stamp_verified(path, meta["digest"])  # after the mark, which moves the change time
         return model
 
     def save(self, key: str, model: nn.Module, reference: nn.Module) -> bool:
@@ -90,7 +96,7 @@ class PreparedCache:
         for entry in self.directory.glob("*.safetensors"):
             try:
                 if entry != keep and entry.stat().st_mtime < cutoff:
-                    entry.unlink()
+                    _remove(entry)
                     log.info("removed the prepared cache entry %s (unused for %d days)", entry, UNUSED_DAYS)
             except OSError:  # another process removed it first, or a read-only cache
                 continue
@@ -101,15 +107,44 @@ def _mark_used(path: Path) -> None:
         os.utime(path)
 
 
+def _remove(entry: Path) -> None:
+    entry.unlink(missing_ok=True)
+    _stamp(entry).unlink(missing_ok=True)
+
+
+def _stamp(entry: Path) -> Path:
+    return entry.with_suffix(".verified")
+
+
+def _identity(path: Path) -> dict[str, int]:
+    st = path.stat()
+    return {"ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def _stamp_verified(path: Path, digest: str) -> None:
+    with contextlib.suppress(OSError):  # a read-only cache: every load hashes
+        _stamp(path).write_text(json.dumps({"digest": digest, **_identity(path)}))
+
+
+def _already_verified(path: Path, digest: str) -> bool:
+    try:
+        stamp = json.loads(_stamp(path).read_text())
+        return stamp == {"digest": digest, **_identity(path)}
+    except (OSError, ValueError):  # no stamp, or one cut short
+        return False
+
+
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The entry's tensors and its metadata (`spec`, `digest`), the digest checked unless its stamp says
+    this very file was checked before."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
         meta = json.loads((handle.metadata() or {})[_META_KEY])
     tensors = load_file(str(path))  # memory-mapped: pages are read as the tensors are touched
-    if _digest(tensors) != meta["digest"]:
+    if not _already_verified(path, meta["digest"]) and _digest(tensors) != meta["digest"]:
         raise ValueError("tensor bytes do not match the entry's digest")
-    return tensors, meta["spec"]
+    return tensors, meta
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
