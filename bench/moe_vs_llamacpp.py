@@ -647,7 +647,7 @@ def describe(name: str, parameters: int, stored: dict[str, Any]) -> str:
         "Start and memory: each server is started twice; the first start (ours with an empty `--cache-dir`, "
         "preparing the model and filling its prepared-form cache), then the second, timed from process start "
         "to ready (`/ready`, `/health`) and to an answered 8-token request; peak RSS is VmHWM right after "
-        "it.",
+        "it. Ours on its own: with `edgeinfer standby` running, see the restart table (bench/restart.py).",
         "",
         start_table(stored),
     ])  # fmt: skip

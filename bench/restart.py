@@ -1,12 +1,15 @@
 """Restarts: a cached start of `edgeinfer serve` on its own and with `edgeinfer standby` running, against
-llama.cpp's llama-server, on the MoE benchmark models (bench/moe_vs_llamacpp.py builds them).
+llama.cpp's llama-server, on the default model (Gemma 3 270M) and the MoE benchmark models
+(bench/moe_vs_llamacpp.py builds them).
 
-    python bench/restart.py                                # glm45 and deepseek, bf16 and int4
+    python bench/restart.py                                # gemma, glm45 and deepseek; bf16 and int4
     python bench/restart.py --models glm45 --precision bf16 --repeats 3 --no-docs
 
+Gemma is served as bench/startup.py serves it (`--preload gemma-3-270m` from its Q4_K_M GGUF; llama-server
+on the GGUF of the same class); the MoE models from their HF directories as bench/moe_vs_llamacpp.py does.
 Per model and precision: one untimed start of each server (llama-server's GGUF into the page cache; ours
 filling its prepared-form cache, bench/.peers/moe/edgeinfer-cache/NAME-PRECISION, where it is kept, if it
-is not there yet: the first start is bench/moe_vs_llamacpp.py's to time); then a standby is started with
+is not there yet: the first start is the other scripts' to time); then a standby is started with
 the same environment, and `--repeats` rounds take turns: llama-server, `edgeinfer serve` with
 EDGEINFER_STANDBY=off, and `edgeinfer serve` handed to the standby, each timed from the process's spawn to
 ready (`/ready`, `/health`) and to an answered 8-token request, then stopped. Medians per server. Peak RSS
@@ -40,22 +43,25 @@ import serve_report  # noqa: E402
 from docs_table import replace_section  # noqa: E402
 
 from edgeinfer.bench.process import start_server  # noqa: E402
+from edgeinfer.engine.model.loader.default_model import DEFAULT_MODEL, resolve_default_model  # noqa: E402
 
 DOCS = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results"
 CPU = peers.cpu_family()
 STORE = RESULTS / f"restart-{CPU}.json"
 SERVERS = ("llama.cpp", "edgeinfer", "edgeinfer + standby")
+GEMMA = "gemma"
 
 
 def timed(
-    argv: list[str], port: int, health: str, env: dict[str, str], log: Path, server_pid: Callable[[int], int]
-) -> dict[str, float]:
+    argv: list[str], port: int, health: str, env: dict[str, str], log: Path, server_pid: Callable[[int], int],
+    timeout_s: float = 600,
+) -> dict[str, float]:  # fmt: skip
     """Spawn `argv`; seconds to `health` answering 200 and to one answered completion; VmHWM after it of
     the process `server_pid(spawned pid)` names."""
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    server = start_server(argv, url, log, health, 600, env, poll_s=0.01)
+    server = start_server(argv, url, log, health, timeout_s, env, poll_s=0.01)
     try:
         ready = time.perf_counter() - t0
         with httpx.Client(timeout=600) as client:
@@ -88,20 +94,34 @@ def standby(env: dict[str, str], log: Path) -> Iterator[Callable[[int], int]]:
         proc.wait(30)
 
 
-def measure(name: str, art: moe.Artifacts, precision: str, args: argparse.Namespace) -> dict[str, Any]:
+def commands(name: str, precision: str, args: argparse.Namespace) -> tuple[list[str], list[str], Path]:
+    """llama-server's command line, ours and our cache directory, for `name` at `precision`."""
+    cache = moe.WORK / "edgeinfer-cache" / f"{name}-{precision}"
+    if name == GEMMA:
+        gguf = peers.peer_gguf(precision, resolve_default_model())
+        ours = [sys.executable, "-m", "edgeinfer.cli", "serve", "--preload", DEFAULT_MODEL, "--host",
+                "127.0.0.1", "--port", str(args.port + 1), "--no-access-log", "--usage-db",
+                str(RESULTS / "usage.sqlite"), "--cache-dir", str(cache)]  # fmt: skip
+        ours += moe.OUR_ARGS[precision]
+    else:
+        art = moe.prepare(name, [precision])
+        gguf = art.ggufs[precision]
+        ours = moe.our_argv(name, art.hf_dir, precision, args.port + 1, None, cache)
+    return moe.peer_argv(gguf, args.port, 1, args.ctx, None), ours, cache
+
+
+def measure(name: str, precision: str, args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    peer = moe.peer_argv(art.ggufs[precision], args.port, 1, args.ctx, None)
-    cache = moe.WORK / "edgeinfer-cache" / f"{name}-{precision}"
-    ours = moe.our_argv(name, art.hf_dir, precision, args.port + 1, None, cache)
+    peer, ours, cache = commands(name, precision, args)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
            "EDGEINFER_STANDBY": str(cache / "standby.sock")}  # fmt: skip
     alone = {**env, "EDGEINFER_STANDBY": "off"}
     log = logs / f"restart-{name}-{precision}.log"
     same: Callable[[int], int] = lambda pid: pid  # noqa: E731
     timed(peer, args.port, "/health", alone, log, same)
-    timed(ours, args.port + 1, "/ready", alone, log, same)
+    timed(ours, args.port + 1, "/ready", alone, log, same, args.start_timeout)  # may prepare the model
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in SERVERS}
     with standby(env, logs / f"restart-standby-{name}-{precision}.log") as child:
         for _ in range(args.repeats):
@@ -127,7 +147,8 @@ def table(stored: dict[str, Any]) -> str:
         "with standby | load avg | measured |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for key, entry in stored.items():
+    order = [GEMMA, *moe.MODELS]
+    for key, entry in sorted(stored.items(), key=lambda kv: (order.index(kv[0].split("/")[0]), kv[0])):
         name, precision = key.split("/")
         m = entry["median"]
         peer = m["llama.cpp"]
@@ -150,12 +171,15 @@ def describe(stored: dict[str, Any]) -> str:
     commands = sorted({e["command"] for e in stored.values()})
     repeats = sorted({e["repeats"] for e in stored.values()})
     return "\n".join([
-        f"### Restarts: edgeinfer with and without a standby vs llama-server, MoE models, {CPU} CPU",
+        f"### Restarts: edgeinfer with and without a standby vs llama-server, {CPU} CPU",
         "",
         f"Machine: {serve_report.machine_info()}; each server's default thread count; one server at a time.",
-        "Models: bench/moe_vs_llamacpp.py's GLM-4.5- and DeepSeek-V3-shaped checkpoints (~0.7B parameters, "
-        "random weights); llama-server on their BF16 and Q4_K_M GGUFs (`-np 1`), ours on the HF directory "
-        "(`--quantization int4` for int4), its prepared form cached. Each row: an untimed start of each "
+        "Models: `gemma`, the default model (ours `--preload gemma-3-270m` from its Q4_K_M GGUF, "
+        "llama-server on the GGUF of the same class, as in the cold-start table), and "
+        "bench/moe_vs_llamacpp.py's GLM-4.5- and DeepSeek-V3-shaped checkpoints (~0.7B parameters, random "
+        "weights; llama-server on their BF16 and Q4_K_M GGUFs, ours on the HF directory); llama-server with "
+        "`-np 1`, ours with "
+        "`--quantization int4` for int4, its prepared form cached. Each row: an untimed start of each "
         f"server, then {', '.join(map(str, repeats))} rounds taking turns: "
         "llama-server, `edgeinfer serve` on its own (EDGEINFER_STANDBY=off), and `edgeinfer serve` with "
         "`edgeinfer standby` running (started once, same environment); medians. Times run from the spawn of "
@@ -170,11 +194,15 @@ def describe(stored: dict[str, Any]) -> str:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", choices=list(moe.MODELS), default=list(moe.MODELS))
+    names = [GEMMA, *moe.MODELS]
+    p.add_argument("--models", nargs="+", choices=names, default=names)
     p.add_argument("--precision", nargs="+", choices=list(moe.OUR_ARGS), default=list(moe.OUR_ARGS))
     p.add_argument("--repeats", type=int, default=5, help="rounds of starts, taking turns")
     p.add_argument("--ctx", type=int, default=2048, help="llama-server KV tokens")
     p.add_argument("--port", type=int, default=8350, help="llama-server port; ours uses port + 1")
+    p.add_argument(
+        "--start-timeout", type=float, default=3600, help="seconds for the untimed start (it may prepare)"
+    )
     p.add_argument("--no-docs", dest="write_docs", action="store_false")
     return p.parse_args()
 
@@ -185,9 +213,8 @@ def main() -> int:
     peers.build()
     stored = json.loads(STORE.read_text()) if STORE.exists() else {}
     for name in args.models:
-        art = moe.prepare(name, args.precision)
         for precision in args.precision:
-            stored[f"{name}/{precision}"] = measure(name, art, precision, args)
+            stored[f"{name}/{precision}"] = measure(name, precision, args)
             STORE.parent.mkdir(parents=True, exist_ok=True)
             STORE.write_text(json.dumps(stored, indent=1))
             body = describe(stored)
