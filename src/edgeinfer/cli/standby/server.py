@@ -60,17 +60,15 @@ def run(args: argparse.Namespace) -> int:
     if path is None:
         raise ValueError(f"{wire.STANDBY_ENV}=off: give --socket to run a standby anyway")
     started = time.perf_counter()
-    _warm()
-    listener = _bind(path)
-    print(
-        f"edgeinfer standby: ready on {path} ({len(sys.modules)} modules, kernels loaded, "
-        f"{time.perf_counter() - started:.1f} s)",
-        file=sys.stderr,
-        flush=True,
-    )
+    listener = _bind(path)  # first: a second standby on a live socket fails before seconds of imports
     try:
+        _warm()  # a client that connects meanwhile waits in the backlog
+        if sys.stderr is not None:
+            print(f"edgeinfer standby: ready on {path} ({len(sys.modules)} modules, kernels loaded, "
+                  f"{time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
         Standby(listener, wire.fingerprint()).serve_forever()
     finally:
+        listener.close()
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
     return 0

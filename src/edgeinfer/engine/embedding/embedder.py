@@ -44,7 +44,7 @@ class Embedder:
         model.load_weights(ckpt.iter_tensors(self.dtype))
         self.model = model.eval().requires_grad_(False)
         self.blocked_bytes = 0
-        if config.blocked_weights and self.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        if config.blocked_weights and blocked_weights_run(self.device, self.dtype):
             self.blocked_bytes = model.block_weights(config.max_pass_tokens)
         self.dim: int = model.args.hidden_size
         self.vocab_size: int = model.args.vocab_size
@@ -105,6 +105,15 @@ def split_by_tokens(order: Sequence[int], lengths: Sequence[int], cap: int) -> l
         chunks[-1].append(i)
         tokens += lengths[i]
     return chunks
+
+
+def blocked_weights_run(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN can hold weights of `dtype` in its blocked layout here: a CPU build with oneDNN, and
+    for bf16 a CPU it has bf16 code for (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU has none,
+    and an asked-for bf16 encoder runs torch's plain linears there)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def encoder_dtype(name: str, device: torch.device) -> torch.dtype:

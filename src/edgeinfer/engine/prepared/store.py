@@ -6,11 +6,11 @@ tensor's bytes. Loading checks the digest before the tensors are used: a truncat
 flipped byte fails the digest, and either way the entry is deleted and the model is loaded afresh.
 Entries are written to a temporary file and renamed, so a concurrent reader sees a whole entry or none.
 
-The digest reads every byte (a tenth of a second per GB here, most of a restart's load), so a load that
-found it right leaves a stamp beside the entry (`KEY.verified`): the digest and the file's identity, its
-inode, size, modification and change times. A later load of a file with that identity skips the hash:
-any write to the file moves its change time, which no one can set back, and a replaced file is a new inode.
-What the stamp gives up is a second look at a file no one wrote: a disk that flips a bit later.
+The digest reads every byte, most of what a cached load does, so a load that found it right leaves a
+stamp beside the entry (`KEY.verified`): the digest and the file's identity, its inode, size,
+modification and change times. A later load of a file with that identity skips the hash: any write to the
+file moves its change time, which no one can set back, and a replaced file is a new inode. What the stamp
+gives up is a second look at a file no one wrote: a disk that flips a bit later.
 
 A load marks its entry used (its mtime); writing an entry removes those unused for `UNUSED_DAYS`. A new
 edgeinfer, torch or CPU keys every model afresh, and the entries it leaves behind (hundreds of MB each)
