@@ -4,8 +4,9 @@ bf16 products (bf16.py): on AVX-512 CPUs with AVX512-BF16 and no AMX, products o
 decode step of up to `max_num_seqs` = 64 sequences) take the register tiles of bf16_tiles.cpp, whose
 weight stream keeps the memory bandwidth where torch's GEMM does not; wider products (prefill) are bound by
 arithmetic and keep torch's GEMM. With AMX, oneDNN's AMX GEMM overtakes the kernel's loops from 4 rows, so
-up to 2; AVX-512 without BF16 (weights widened to fp32): up to 16; AVX2 only (two activation rows a pass,
-half the registers): up to 4.
+up to 2; AVX-512 without BF16 (weights widened to fp32): up to 16. AVX2 only: up to 64 again, since oneDNN
+has no bf16 code for such a CPU and torch's GEMM there is slower than the kernel (two activation rows a
+pass) at every decode size; it also keeps a token's bits independent of how many share its step.
 
 Norms, rotations and activations (decode_ops.cpp): the kernels remove the cost of calling a dozen torch ops,
 which is what a decode step's small ops mostly cost. Past a few thousand values the arithmetic dominates:
@@ -37,8 +38,8 @@ class KernelLimits:
         avx512 = flags >= AVX512_FLAGS
         if "amx_bf16" in flags:
             rows = 2
-        elif avx512 and "avx512_bf16" in flags:
-            rows = 64
+        elif avx512 and "avx512_bf16" not in flags:
+            rows = 16
         else:
-            rows = 16 if avx512 else 4
+            rows = 64
         return cls(bf16_gemv_rows=rows, decode_op_elements=EVERY_INPUT if avx512 else 16_384)
