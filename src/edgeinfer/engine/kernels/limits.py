@@ -5,8 +5,9 @@ decode step of up to `max_num_seqs` = 64 sequences) take the register tiles of b
 weight stream keeps the memory bandwidth where torch's GEMM does not; wider products (prefill) are bound by
 arithmetic and keep torch's GEMM. With AMX, oneDNN's AMX GEMM overtakes the kernel's loops from 4 rows, so
 up to 2; AVX-512 without BF16 (weights widened to fp32): up to 16. AVX2 only: up to 64 again, since oneDNN
-has no bf16 code for such a CPU and torch's GEMM there is slower than the kernel (two activation rows a
-pass) at every decode size; it also keeps a token's bits independent of how many share its step.
+has no bf16 code for such a CPU (short of AVX-NE-CONVERT) and torch's GEMM there is slower than the
+kernel (two activation rows a pass) at every decode size; it also keeps a token's bits independent of how
+many share its step.
 
 Norms, rotations and activations (decode_ops.cpp): the kernels remove the cost of calling a dozen torch ops,
 which is what a decode step's small ops mostly cost. Past a few thousand values the arithmetic dominates:
