@@ -404,12 +404,14 @@ def peak_rss_mib(pid: int) -> float:
 
 @contextlib.contextmanager
 def timed_server(
-    argv: list[str], port: int, health: str, log: Path, timeout_s: float, env: dict[str, str] | None = None
-) -> Iterator[tuple[ServerProcess, Start]]:
-    """Start `argv`; time it to `health` answering 200 and to one answered completion; VmHWM after that."""
+    argv: list[str], port: int, health: str, log: Path, timeout_s: float, env: dict[str, str] | None = None,
+    poll_s: float = 0.02,
+) -> Iterator[tuple[ServerProcess, Start]]:  # fmt: skip
+    """Start `argv`; time it to `health` answering 200 (asked every `poll_s`) and to one answered
+    completion; VmHWM after that."""
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    server = start_server(argv, url, log, health, timeout_s, env, poll_s=0.02)
+    server = start_server(argv, url, log, health, timeout_s, env, poll_s=poll_s)
     try:
         ready = time.perf_counter() - t0
         model = discover_model(url, None)

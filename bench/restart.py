@@ -32,8 +32,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "src"), str(REPO / "bench")]  # run as a script without installing the package
 
@@ -42,7 +40,6 @@ import peers  # noqa: E402
 import serve_report  # noqa: E402
 from docs_table import replace_section  # noqa: E402
 
-from edgeinfer.bench.process import start_server  # noqa: E402
 from edgeinfer.engine.model.loader.default_model import DEFAULT_MODEL, resolve_default_model  # noqa: E402
 
 DOCS = REPO / "docs" / "benchmarks.md"
@@ -57,22 +54,11 @@ def timed(
     argv: list[str], port: int, health: str, env: dict[str, str], log: Path, server_pid: Callable[[int], int],
     timeout_s: float = 600,
 ) -> dict[str, float]:  # fmt: skip
-    """Spawn `argv`; seconds to `health` answering 200 and to one answered completion; VmHWM after it of
-    the process `server_pid(spawned pid)` names."""
-    url = f"http://127.0.0.1:{port}"
-    t0 = time.perf_counter()
-    server = start_server(argv, url, log, health, timeout_s, env, poll_s=0.01)
-    try:
-        ready = time.perf_counter() - t0
-        with httpx.Client(timeout=600) as client:
-            model = client.get(url + "/v1/models").json()["data"][0]["id"]
-            body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
-            client.post(url + "/v1/completions", json=body).raise_for_status()
-        answered = time.perf_counter() - t0
+    """bench/moe_vs_llamacpp.py's timed start (to `health`, then to an answered 8-token completion), with
+    VmHWM read of the process `server_pid(spawned pid)` names: with a standby, the forked child serves."""
+    with moe.timed_server(argv, port, health, log, timeout_s, env, poll_s=0.01) as (server, start):
         rss = moe.peak_rss_mib(server_pid(server.process.pid))
-        return {"ready_s": ready, "answered_s": answered, "peak_rss_mib": rss}
-    finally:
-        server.stop()
+    return {"ready_s": start.ready_s, "answered_s": start.answered_s, "peak_rss_mib": rss}
 
 
 @contextlib.contextmanager
